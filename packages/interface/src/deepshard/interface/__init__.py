@@ -1,0 +1,33 @@
+"""Typed contracts every DeepShard package shares: config, topology, protocols and errors.
+
+Importing this package is cheap and never imports torch.
+"""
+
+from deepshard.interface.accelerator import Accelerator
+from deepshard.interface.config import BatchSizes, DeepShardConfig, resolve_batch_sizes
+from deepshard.interface.errors import (
+    CheckpointError,
+    CommError,
+    ConfigError,
+    DeepShardError,
+    LaunchError,
+    TopologyError,
+)
+from deepshard.interface.shard_map import ShardMap, ShardPiece
+from deepshard.interface.topology import Topology
+
+__all__ = [
+    "Accelerator",
+    "BatchSizes",
+    "CheckpointError",
+    "CommError",
+    "ConfigError",
+    "DeepShardConfig",
+    "DeepShardError",
+    "LaunchError",
+    "ShardMap",
+    "ShardPiece",
+    "Topology",
+    "TopologyError",
+    "resolve_batch_sizes",
+]

@@ -1,0 +1,129 @@
+"""DeepSpeed settings DeepShard refuses on purpose, each with the reason and what to use instead.
+
+A key listed here is not a typo: it is a DeepSpeed feature that DeepShard does not carry, or an old
+spelling DeepSpeed itself deprecated. Ignoring it would silently change training (a compression
+block that no longer quantizes, a checkpoint engine that no longer runs), so the config is refused
+with a message that names the replacement. This module is the one table of such keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+__all__ = [
+    "AMP_ENABLED_MESSAGE",
+    "HF_AUTO_MESSAGE",
+    "KERNEL_INJECT_MESSAGE",
+    "REFUSED_KEYS",
+    "REFUSED_OPTIMIZERS",
+    "ZERO_BOOLEAN_MESSAGE",
+    "refused_key_message",
+    "refused_optimizer_message",
+]
+
+_NOT_CARRIED = "DeepShard does not carry"
+
+REFUSED_KEYS: Mapping[str, str] = MappingProxyType(
+    {
+        "nebula": f"{_NOT_CARRIED} the Nebula checkpoint service (DeepSpeed removed it too); "
+        "deepshard.checkpoint writes sharded safetensors checkpoints, remove this block",
+        "compression_training": f"{_NOT_CARRIED} DeepSpeed's compression library (DeepSpeed "
+        "removed it too): the model would silently train unquantized; quantize or prune with "
+        "torchao before or after training and remove this block",
+        "quantize_training": f"{_NOT_CARRIED} Mixture-of-Quantization (DeepSpeed removed it too); "
+        "use torchao quantization-aware training and remove this block",
+        "sparse_attention": f"{_NOT_CARRIED} DeepSpeed Sparse Attention (DeepSpeed removed it "
+        "too); use torch.nn.functional.scaled_dot_product_attention or FlexAttention in the model",
+        "autotuning": f"{_NOT_CARRIED} the autotuner; pick batch sizes and ZeRO knobs yourself "
+        "(the flops_profiler and memory_breakdown settings help) and remove this block",
+        "pipeline": f"{_NOT_CARRIED} a pipeline-parallel engine (Topology's pp axis is reserved "
+        "and always 1); scale with ZeRO-3, tensor_parallel or sequence_parallel_size instead",
+        "hybrid_engine": f"{_NOT_CARRIED} the RLHF hybrid engine; generate rollouts with "
+        "deepshard.inference and remove this block",
+        "progressive_layer_drop": f"{_NOT_CARRIED} progressive layer dropping; implement layer "
+        "drop inside the model and remove this block",
+        "eigenvalue": f"{_NOT_CARRIED} the Hessian eigenvalue estimator; remove this block",
+        "weight_quantization": f"{_NOT_CARRIED} DeepSpeed-Inference weight quantization; "
+        "quantize with torchao and remove this block",
+        "compile": f"{_NOT_CARRIED} DeepCompile; call torch.compile on the model before "
+        "deepshard.engine.initialize and remove this block",
+        "datastates_ckpt": f"{_NOT_CARRIED} the DataStates checkpoint engine; deepshard.checkpoint "
+        "saves sharded safetensors, remove this block",
+        "zero_optimization.mics_shard_size": f"{_NOT_CARRIED} MiCS sharding (DeepSpeed removed "
+        "it too); use zero_optimization.zero_hpz_partition_size for hierarchical ZeRO-3 "
+        "partitioning",
+        "zero_optimization.mics_hierarchical_params_gather": f"{_NOT_CARRIED} MiCS sharding "
+        "(DeepSpeed removed it too); use zero_optimization.zero_hpz_partition_size",
+        "zero_optimization.cpu_offload": "the old spelling of optimizer offload; write "
+        '"offload_optimizer": {"device": "cpu"} instead',
+        "zero_optimization.cpu_offload_param": "the old spelling of parameter offload; write "
+        '"offload_param": {"device": "cpu"} instead (stage 3 only)',
+        "zero_optimization.cpu_offload_use_pin_memory": "the old spelling of pinned offload "
+        "buffers; set pin_memory inside offload_optimizer / offload_param instead",
+        "zero_optimization.legacy_stage1": f"{_NOT_CARRIED} DeepSpeed's legacy ZeRO-1 "
+        "implementation; remove the key, stage 1 always uses the current one",
+        "zero_optimization.zenflow": f"{_NOT_CARRIED} ZenFlow; use "
+        'zero_optimization.offload_optimizer {"device": "cpu"} instead',
+    }
+)
+"""Refused keys by DeepSpeed key path, with the reason and the replacement."""
+
+_ONE_BIT = (
+    f"{_NOT_CARRIED} DeepSpeed's compressed-communication optimizers (DeepSpeed removed them "
+    'too); use "type": "Adam" or "AdamW" (same params apart from the compression knobs)'
+)
+
+REFUSED_OPTIMIZERS: Mapping[str, str] = MappingProxyType(
+    {"onebitadam": _ONE_BIT, "zerooneadam": _ONE_BIT, "onebitlamb": _ONE_BIT}
+)
+"""Refused ``optimizer.type`` values (compared case-insensitively), with the replacement."""
+
+ZERO_BOOLEAN_MESSAGE = (
+    'the boolean form of zero_optimization is a DeepSpeed 0.3 spelling; write {"stage": 1} '
+    '(or {"stage": 0} for false) instead'
+)
+"""Why ``"zero_optimization": true`` is refused."""
+
+AMP_ENABLED_MESSAGE = (
+    f'{_NOT_CARRIED} NVIDIA apex AMP; use bf16 {{"enabled": true}} or fp16 '
+    '{"enabled": true} (optionally torch_autocast) instead'
+)
+"""Why ``amp.enabled: true`` is refused."""
+
+KERNEL_INJECT_MESSAGE = (
+    f"{_NOT_CARRIED} DeepSpeed-Inference kernel injection; AutoTP shards the model's own "
+    "torch modules, set it to false"
+)
+"""Why ``tensor_parallel.replace_with_kernel_inject: true`` is refused."""
+
+HF_AUTO_MESSAGE = (
+    "'auto' is a Hugging Face Trainer placeholder: the HF Trainer replaces it with a number "
+    "before DeepSpeed sees the config, and DeepSpeed itself refuses it too. Write the value, or "
+    "let the HF Trainer integration fill the config in"
+)
+"""Why a literal ``"auto"`` value is refused."""
+
+
+def refused_key_message(path: str) -> str | None:
+    """Returns why DeepShard refuses the DeepSpeed key at ``path``, or ``None`` if it does not.
+
+    Args:
+        path: A DeepSpeed key path such as ``"zero_optimization.cpu_offload"``.
+
+    Returns:
+        The reason and the replacement, or ``None``.
+    """
+    return REFUSED_KEYS.get(path)
+
+
+def refused_optimizer_message(optimizer_type: str) -> str | None:
+    """Returns why DeepShard refuses an ``optimizer.type``, or ``None`` if it does not.
+
+    Args:
+        optimizer_type: The type as written in the config (any case).
+
+    Returns:
+        The reason and the replacement, or ``None``.
+    """
+    return REFUSED_OPTIMIZERS.get(optimizer_type.lower())

@@ -1,0 +1,163 @@
+"""`moe` (DeepShard's own) and `expert_parallel` (DeepSpeed AutoEP): mixture-of-experts settings.
+
+DeepSpeed configures MoE layers in code (``deepspeed.moe.layer.MoE(num_experts=..., ep_size=...,
+k=...)``) and has no JSON section for them; DeepShard adds the `moe` section so the expert-parallel
+degree and the gating knobs live in the config with everything else. Its keys follow the
+arguments of DeepSpeed's MoE layer (``top_k`` is DeepSpeed's ``k``). The `expert_parallel`
+section is DeepSpeed 0.19.7's AutoEP section (expert parallelism applied to an existing HF MoE
+model). Either one sets the ``ep`` axis of the Topology; if both do, they must agree.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveInt, model_validator
+
+from deepshard.interface.config._base import ConfigModel, raw_problems_error
+
+__all__ = ["ExpertParallelConfig", "MoeConfig"]
+
+
+class MoeConfig(ConfigModel):
+    """The `moe` section: expert parallelism and token routing of MoE layers."""
+
+    config_key = "moe"
+
+    ep_size: int = Field(1, ge=1)
+    """Expert-parallel degree: ranks the experts of a layer are spread over (Topology ``ep``)."""
+
+    num_experts: int = Field(1, ge=1)
+    """Experts per MoE layer; a multiple of ``ep_size``."""
+
+    top_k: int = Field(1, ge=1)
+    """Experts each token is routed to (DeepSpeed's ``k``)."""
+
+    capacity_factor: float = Field(1.0, gt=0.0)
+    """Training capacity per expert, as a multiple of the even share of tokens."""
+
+    eval_capacity_factor: float = Field(1.0, gt=0.0)
+    """Capacity factor at evaluation."""
+
+    min_capacity: int = Field(4, ge=0)
+    """Fewest tokens an expert can take, whatever the capacity factor."""
+
+    drop_tokens: bool = True
+    """Drop tokens beyond an expert's capacity (false: capacity grows to fit)."""
+
+    use_rts: bool = True
+    """Random token selection when an expert is over capacity (else first come first served)."""
+
+    noisy_gate_policy: Literal["Jitter", "RSample"] | None = None
+    """Noise added to the gate: multiplicative jitter on inputs, or sampled logits; None off."""
+
+    use_residual: bool = False
+    """Residual MoE: a dense MLP in parallel with the experts, mixed by a learned coefficient."""
+
+    enable_expert_tensor_parallelism: bool = False
+    """Split each expert across the tensor-parallel ranks as well."""
+
+    top2_2nd_expert_sampling: bool = True
+    """With top-2 gating, sample the second expert instead of taking the runner-up."""
+
+    @model_validator(mode="after")
+    def _experts_divide(self) -> MoeConfig:
+        if self.num_experts % self.ep_size:
+            message = f"num_experts {self.num_experts} is not a multiple of ep_size {self.ep_size}"
+            raise raw_problems_error([("num_experts", message)])
+        return self
+
+
+class ExpertParallelConfig(ConfigModel):
+    """The `expert_parallel` section: DeepSpeed AutoEP for existing HF MoE models."""
+
+    config_key = "expert_parallel"
+
+    enabled: bool = False
+    """Replace the model's MoE blocks with expert-parallel ones."""
+
+    autoep_size: int = Field(1, ge=1)
+    """Expert-parallel degree (Topology ``ep``) when enabled."""
+
+    expert_tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel degree inside each expert."""
+
+    validate_folding_routing: bool = False
+    """Check at start-up that folded EP/TP groups route tokens consistently."""
+
+    preset_model: str | None = None
+    """Built-in description of a model family's MoE layout ("mixtral", "qwen3_moe", ...)."""
+
+    moe_layer_pattern: str | None = None
+    """Regex matching MoE block names, when no preset applies."""
+
+    expert_pattern: str | None = None
+    """Regex matching the experts container inside a MoE block."""
+
+    router_pattern: str | None = None
+    """Regex matching the router (gate) inside a MoE block."""
+
+    use_grouped_mm: bool = True
+    """Run experts with a grouped matrix multiply."""
+
+    disable_triton_grouped_mm: bool = False
+    """Use the PyTorch grouped matmul even where a Triton kernel exists."""
+
+    route_norm: bool | None = None
+    """Renormalise the top-k routing weights to sum to one; None follows the model."""
+
+    route_scale: float = Field(1.0, gt=0.0)
+    """Multiplier applied to routing weights."""
+
+    score_apply: Literal["auto", "pre", "post"] = "auto"
+    """Apply routing weights before or after the expert computation; auto follows the model."""
+
+    combine_impl: Literal["auto", "weighted_sum", "fused_weighted_sum", "legacy_bmm"] = "auto"
+    """How expert outputs are combined."""
+
+    comm_backend: Literal["comm"] = "comm"
+    """Token-dispatch backend; only DeepShard's all-to-all ("comm"), DeepEP is not carried."""
+
+    num_expert_groups: int | None = Field(None, ge=1)
+    """Group-limited routing: number of expert groups; None follows the model."""
+
+    num_limited_groups: int | None = Field(None, ge=1)
+    """Group-limited routing: groups a token may use; None follows the model."""
+
+    score_func: Literal["auto", "softmax", "sigmoid"] = "auto"
+    """Router scoring function; auto follows the model."""
+
+    top_k: PositiveInt | Literal["auto"] = "auto"
+    """Experts per token; "auto" reads it from the model."""
+
+    routed_scaling_factor: float | Literal["auto"] = "auto"
+    """Scale of the routed-expert output; "auto" reads it from the model."""
+
+    expert_w1: str | None = None
+    """Attribute name of the experts' first (gate) projection, when no preset applies."""
+
+    expert_w2: str | None = None
+    """Attribute name of the experts' down projection."""
+
+    expert_w3: str | None = None
+    """Attribute name of the experts' up projection (None for two-matrix experts)."""
+
+    num_experts_attr: str | None = None
+    """Model-config attribute holding the number of experts."""
+
+    top_k_attr: str | None = None
+    """Model-config attribute holding top-k."""
+
+    has_shared_experts: bool | None = None
+    """Whether MoE blocks also have always-on shared experts; None detects it."""
+
+    shared_experts_pattern: str | None = None
+    """Regex matching the shared experts inside a MoE block."""
+
+    shared_experts_gate_pattern: str | None = None
+    """Regex matching the shared experts' gate."""
+
+    @property
+    def ep_size(self) -> int:
+        """The expert-parallel degree this section asks for (1 when disabled)."""
+        return self.autoep_size if self.enabled else 1

@@ -1,0 +1,143 @@
+"""`fp16`, `bf16` (alias `bfloat16`), `data_types`, `torch_autocast`, `amp`: numeric precision."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import AliasChoices, Field, field_validator
+
+from deepshard.interface.config._base import ConfigModel, raw_problems_error
+from deepshard.interface.config._dtypes import DtypeName, normalize_dtype
+from deepshard.interface.config._removed import AMP_ENABLED_MESSAGE
+
+__all__ = ["AmpConfig", "Bf16Config", "DataTypesConfig", "Fp16Config", "TorchAutocastConfig"]
+
+
+class Fp16Config(ConfigModel):
+    """The `fp16` section: float16 mixed precision with static or dynamic loss scaling."""
+
+    config_key = "fp16"
+
+    enabled: bool = False
+    """Train with float16 weights and activations, fp32 master weights in the optimizer."""
+
+    auto_cast: bool = False
+    """Cast floating-point inputs of the model's forward to float16."""
+
+    loss_scale: float = Field(0.0, ge=0.0)
+    """Static loss scale; 0 selects dynamic loss scaling (the scale adapts to overflows)."""
+
+    initial_scale_power: int = Field(16, ge=0)
+    """Dynamic scaling starts at ``2 ** initial_scale_power``."""
+
+    loss_scale_window: int = Field(1000, gt=0)
+    """Overflow-free steps after which the dynamic scale is doubled."""
+
+    hysteresis: int = Field(2, ge=1)
+    """Overflows tolerated before the dynamic scale is halved (delayed shift)."""
+
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every overflow-free step, not only at window ends."""
+
+    min_loss_scale: float = Field(1.0, gt=0.0)
+    """Floor of the dynamic loss scale."""
+
+    fp16_master_weights_and_grads: bool = False
+    """Keep master weights and gradients in fp16 (needs ZeRO stage 1-3 and a CPU optimizer)."""
+
+    @field_validator("loss_scale")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise raw_problems_error([("", f"must be a finite number; got {value}")])
+        return value
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the loss scale adapts to overflows (``loss_scale == 0``)."""
+        return self.loss_scale == 0.0
+
+
+class Bf16Config(ConfigModel):
+    """The `bf16` section (also accepted as `bfloat16`): bfloat16 mixed precision."""
+
+    config_key = "bf16"
+
+    enabled: bool = False
+    """Train with bfloat16 weights and activations, fp32 master weights in the optimizer."""
+
+    immediate_grad_update: bool = False
+    """Apply each gradient to the fp32 accumulator as soon as it is produced."""
+
+    check_grad_overflow: bool = Field(
+        True, validation_alias=AliasChoices("check_grad_overflow", "check_overflow")
+    )
+    """Check gradients for inf/nan before the optimizer step and skip the step if found. On by
+    default, as for fp16; ``check_overflow`` is accepted as the older spelling."""
+
+    bf16_master_weights_and_grads: bool = False
+    """Keep master weights and gradients in bf16 (needs ZeRO stage 1, 2 or 3)."""
+
+    bf16_optimizer_states: bool = False
+    """Keep optimizer states in bf16 too (needs ``bf16_master_weights_and_grads``)."""
+
+
+class DataTypesConfig(ConfigModel):
+    """The `data_types` section: dtypes of gradient accumulation, parameters and buffers."""
+
+    config_key = "data_types"
+
+    grad_accum_dtype: DtypeName | None = None
+    """Dtype gradients are accumulated in across micro-batches; None follows the training dtype.
+    Any DeepSpeed spelling (``"float32"``, ``"bfloat16"``, ``"half"``, ...) is accepted."""
+
+    param_dtype: DtypeName | None = None
+    """Dtype the model parameters are cast to; None keeps them as loaded."""
+
+    buffer_dtype: DtypeName | None = None
+    """Dtype the model buffers are cast to; None keeps them as loaded."""
+
+    @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype", mode="before")
+    @classmethod
+    def _canonical(cls, value: object) -> object:
+        return normalize_dtype(value)
+
+
+class TorchAutocastConfig(ConfigModel):
+    """The `torch_autocast` section: run the forward under ``torch.autocast``."""
+
+    config_key = "torch_autocast"
+
+    enabled: bool = False
+    """Wrap the forward pass in ``torch.autocast`` on the training device."""
+
+    dtype: DtypeName = "bf16"
+    """Lower-precision dtype autocast uses."""
+
+    lower_precision_safe_modules: list[str] | None = None
+    """Fully qualified module classes whose parameters may be kept in the autocast dtype, e.g.
+    ``["torch.nn.modules.linear.Linear"]``; None uses the default list."""
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _canonical(cls, value: object) -> object:
+        return normalize_dtype(value)
+
+
+class AmpConfig(ConfigModel):
+    """The `amp` section (NVIDIA apex AMP). Accepted only switched off; enabling it is refused."""
+
+    config_key = "amp"
+
+    enabled: bool = False
+    """Must stay false: DeepShard does not carry apex AMP (use `bf16` or `fp16`)."""
+
+    opt_level: str | None = None
+    """apex optimisation level (``"O1"``...), accepted so that old configs parse; unused."""
+
+    @field_validator("enabled")
+    @classmethod
+    def _refuse_apex(cls, value: bool) -> bool:
+        if value:
+            raise raw_problems_error([("", AMP_ENABLED_MESSAGE)])
+        return value

@@ -1,0 +1,237 @@
+"""Shard maps: where every element of a sharded tensor lives.
+
+Every package that shards a tensor (ZeRO partitions, tensor-parallel slices, expert shards,
+sequence-parallel splits) describes the result with a :class:`ShardMap`, and the checkpoint
+package reads nothing else to save, load and reshard it.
+
+A shard is an affine map from a rank's local storage to the global tensor, in two steps:
+
+1. a *box* of the global tensor: ``box_offset`` (per dimension) and ``box_shape``. Tensor
+   parallelism cuts boxes (rows or columns of a weight).
+2. a *flat range* ``[flat_start, flat_stop)`` of that box, counted in row-major order. ZeRO
+   flattens parameters into one buffer and cuts it at arbitrary element boundaries, so a rank may
+   hold the tail of one row and the head of the next; the whole box is ``[0, numel(box))``.
+
+Local element ``i`` of a piece is therefore global element
+``box_offset + unravel(flat_start + i, box_shape)``. TP slicing followed by ZeRO partitioning of
+the slice is one piece of each kind composed, and replication is several ranks holding equal
+pieces. The map is plain data (JSON in checkpoints, no pickles) and never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepshard.interface.errors import CheckpointError
+
+__all__ = ["ShardMap", "ShardPiece"]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of a global tensor that one rank stores.
+
+    Attributes:
+        rank: The holder's rank in the process group the map refers to.
+        box_offset: Start of the box in every dimension of the global tensor.
+        box_shape: Extent of the box in every dimension.
+        flat_start: First element of the box (row-major) that the rank stores.
+        flat_stop: One past the last stored element; ``None`` means the end of the box.
+        local_offset: Where the piece starts in the rank's local flat storage (ZeRO buffers hold
+            several parameters back to back, each 16-byte aligned).
+    """
+
+    rank: int
+    box_offset: tuple[int, ...]
+    box_shape: tuple[int, ...]
+    flat_start: int = 0
+    flat_stop: int | None = None
+    local_offset: int = 0
+
+    @property
+    def stop(self) -> int:
+        """The resolved end of the flat range."""
+        return _numel(self.box_shape) if self.flat_stop is None else self.flat_stop
+
+    @property
+    def numel(self) -> int:
+        """Number of elements the rank stores for this piece."""
+        return self.stop - self.flat_start
+
+    def global_index(self, local_index: int) -> tuple[int, ...]:
+        """Map element ``local_index`` of this piece to its coordinates in the global tensor."""
+        if not 0 <= local_index < self.numel:
+            raise IndexError(f"local index {local_index} outside piece of {self.numel} elements")
+        flat = self.flat_start + local_index
+        coords: list[int] = []
+        for extent in reversed(self.box_shape):
+            flat, rem = divmod(flat, extent)
+            coords.append(rem)
+        return tuple(o + c for o, c in zip(self.box_offset, reversed(coords), strict=True))
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of this piece."""
+        return {
+            "rank": self.rank,
+            "box_offset": list(self.box_offset),
+            "box_shape": list(self.box_shape),
+            "flat_start": self.flat_start,
+            "flat_stop": self.stop,
+            "local_offset": self.local_offset,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShardPiece:
+        """Read a piece written by :meth:`to_json`."""
+        try:
+            return cls(
+                rank=int(data["rank"]),
+                box_offset=tuple(int(x) for x in data["box_offset"]),
+                box_shape=tuple(int(x) for x in data["box_shape"]),
+                flat_start=int(data["flat_start"]),
+                flat_stop=int(data["flat_stop"]),
+                local_offset=int(data["local_offset"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"malformed shard piece {data!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """How one logical tensor is spread over the ranks of a process group.
+
+    Attributes:
+        global_shape: Shape of the whole (unsharded) tensor.
+        dtype: The element type as torch names it (``"float32"``, ``"bfloat16"``...).
+        pieces: Every rank's pieces; a rank may hold several, several ranks may hold equal ones.
+        axes: The mesh axes the pieces are spread over, outermost first (e.g. ``("dp",)``).
+    """
+
+    global_shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[ShardPiece, ...]
+    axes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for piece in self.pieces:
+            self._check_piece(piece)
+
+    def _check_piece(self, piece: ShardPiece) -> None:
+        if len(piece.box_offset) != len(self.global_shape) or len(piece.box_shape) != len(
+            self.global_shape
+        ):
+            raise CheckpointError(
+                f"shard piece of rank {piece.rank} has {len(piece.box_shape)} dims, "
+                f"the tensor has {len(self.global_shape)} ({self.global_shape})"
+            )
+        for dim, (off, ext, full) in enumerate(
+            zip(piece.box_offset, piece.box_shape, self.global_shape, strict=True)
+        ):
+            if off < 0 or ext < 0 or off + ext > full:
+                raise CheckpointError(
+                    f"shard piece of rank {piece.rank} spans [{off}, {off + ext}) in dim {dim}, "
+                    f"outside the tensor's extent {full}"
+                )
+        if not 0 <= piece.flat_start <= piece.stop <= _numel(piece.box_shape):
+            raise CheckpointError(
+                f"shard piece of rank {piece.rank} has flat range [{piece.flat_start}, "
+                f"{piece.stop}) outside its box of {_numel(piece.box_shape)} elements"
+            )
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the global tensor."""
+        return _numel(self.global_shape)
+
+    def pieces_of(self, rank: int) -> tuple[ShardPiece, ...]:
+        """The pieces that ``rank`` stores, in local-storage order."""
+        return tuple(
+            sorted((p for p in self.pieces if p.rank == rank), key=lambda p: p.local_offset)
+        )
+
+    def iter_global_flat(self, piece: ShardPiece) -> Iterator[int]:
+        """Row-major flat indices into the global tensor of each element of ``piece``."""
+        strides = [_numel(self.global_shape[d + 1 :]) for d in range(len(self.global_shape))]
+        for i in range(piece.numel):
+            coords = piece.global_index(i)
+            yield sum(c * s for c, s in zip(coords, strides, strict=True))
+
+    def missing_elements(self) -> int:
+        """How many global elements no rank holds (0 for a complete map).
+
+        Walks every element, so use it in tests and checkpoint validation of small maps, not in
+        a training step.
+        """
+        held = bytearray(self.numel)
+        for piece in self.pieces:
+            for index in self.iter_global_flat(piece):
+                held[index] = 1
+        return self.numel - sum(held)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of the map (what checkpoints store next to the tensors)."""
+        return {
+            "global_shape": list(self.global_shape),
+            "dtype": self.dtype,
+            "axes": list(self.axes),
+            "pieces": [p.to_json() for p in self.pieces],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShardMap:
+        """Read a map written by :meth:`to_json`; malformed input is a ``CheckpointError``."""
+        try:
+            return cls(
+                global_shape=tuple(int(x) for x in data["global_shape"]),
+                dtype=str(data["dtype"]),
+                axes=tuple(str(a) for a in data.get("axes", ())),
+                pieces=tuple(ShardPiece.from_json(p) for p in data["pieces"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"malformed shard map: {exc}") from exc
+
+    @classmethod
+    def replicated(cls, global_shape: Sequence[int], dtype: str, ranks: Sequence[int]) -> ShardMap:
+        """A tensor every rank in ``ranks`` holds whole."""
+        shape = tuple(global_shape)
+        zero = tuple(0 for _ in shape)
+        return cls(shape, dtype, tuple(ShardPiece(r, zero, shape) for r in ranks))
+
+    @classmethod
+    def even_split(
+        cls, global_shape: Sequence[int], dtype: str, *, dim: int, world_size: int
+    ) -> ShardMap:
+        """Rank ``r`` of ``world_size`` holds the ``r``-th of equal slices along ``dim``.
+
+        This is tensor parallelism's column or row split. ``global_shape[dim]`` must divide.
+        """
+        shape = tuple(global_shape)
+        if shape[dim] % world_size:
+            raise CheckpointError(
+                f"dimension {dim} of size {shape[dim]} does not split evenly "
+                f"over {world_size} ranks"
+            )
+        step = shape[dim] // world_size
+        pieces = []
+        for rank in range(world_size):
+            offset = tuple(rank * step if d == dim else 0 for d in range(len(shape)))
+            box = tuple(step if d == dim else shape[d] for d in range(len(shape)))
+            pieces.append(ShardPiece(rank, offset, box))
+        return cls(shape, dtype, tuple(pieces))
+
+    @classmethod
+    def flat_partition(
+        cls, global_shape: Sequence[int], dtype: str, *, bounds: Sequence[tuple[int, int, int]]
+    ) -> ShardMap:
+        """ZeRO's layout: each ``(rank, start, stop)`` holds that flat range of the tensor."""
+        shape = tuple(global_shape)
+        zero = tuple(0 for _ in shape)
+        pieces = tuple(ShardPiece(r, zero, shape, start, stop) for r, start, stop in bounds)
+        return cls(shape, dtype, pieces)

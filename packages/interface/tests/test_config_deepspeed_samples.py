@@ -1,0 +1,200 @@
+"""Realistic DeepSpeed JSON configs (tests/configs/*.json) parse with the values they carry."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from deepshard.interface import ConfigError, DeepShardConfig
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def _raw(name: str) -> dict:
+    return json.loads((CONFIGS / name).read_text())
+
+
+def _zero1(cfg: DeepShardConfig, raw: dict) -> None:
+    assert cfg.zero_optimization.stage == 1
+    assert cfg.zero_optimization.overlap_comm is False  # DeepSpeed's default below stage 3
+    assert cfg.zero_optimization.reduce_bucket_size == int(
+        raw["zero_optimization"]["reduce_bucket_size"]
+    )
+    assert cfg.fp16.enabled and cfg.fp16.dynamic_loss_scale
+    assert cfg.fp16.initial_scale_power == raw["fp16"]["initial_scale_power"]
+    assert cfg.fp16.loss_scale_window == raw["fp16"]["loss_scale_window"]
+    assert cfg.optimizer is not None and cfg.optimizer.type == "Adam"
+    assert cfg.optimizer.params == raw["optimizer"]["params"]
+    assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupLR"
+    assert (
+        cfg.scheduler.params["warmup_num_steps"] == raw["scheduler"]["params"]["warmup_num_steps"]
+    )
+
+
+def _zero2(cfg: DeepShardConfig, raw: dict) -> None:
+    zero = cfg.zero_optimization
+    assert (zero.stage, zero.overlap_comm, zero.round_robin_gradients) == (2, True, True)
+    assert zero.allgather_bucket_size == int(raw["zero_optimization"]["allgather_bucket_size"])
+    assert cfg.bf16.enabled and not cfg.fp16.enabled
+    assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupDecayLR"
+
+
+def _zero3_knobs(cfg: DeepShardConfig, raw: dict) -> None:
+    zero, rz = cfg.zero_optimization, raw["zero_optimization"]
+    assert zero.stage == 3 and zero.overlap_comm is True  # stage-3 default
+    assert zero.max_live_parameters == int(rz["stage3_max_live_parameters"])
+    assert zero.max_reuse_distance == int(rz["stage3_max_reuse_distance"])
+    assert zero.prefetch_bucket_size == int(rz["stage3_prefetch_bucket_size"])
+    assert zero.param_persistence_threshold == int(rz["stage3_param_persistence_threshold"])
+    assert zero.gather_16bit_weights_on_model_save is True
+    assert zero.zero_hpz_partition_size == rz["zero_hpz_partition_size"]
+    assert zero.zero_quantized_weights and zero.zero_quantized_gradients
+    assert cfg.data_types.grad_accum_dtype == "fp32"
+    assert cfg.bf16.immediate_grad_update is True
+    assert cfg.gradient_clipping == raw["gradient_clipping"]
+    assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupCosineLR"
+
+
+def _zero3_cpu(cfg: DeepShardConfig, raw: dict) -> None:
+    zero = cfg.zero_optimization
+    assert zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
+    assert zero.offload_param is not None and zero.offload_param.device == "cpu"
+    assert zero.offload_param.pin_memory and zero.offload_optimizer.pin_memory
+    assert zero.gather_16bit_weights_on_model_save is True  # via the fp16 spelling
+    assert zero.sub_group_size == int(raw["zero_optimization"]["sub_group_size"])
+    assert cfg.zero_allow_untested_optimizer and cfg.zero_force_ds_cpu_optimizer
+
+
+def _zero3_nvme(cfg: DeepShardConfig, raw: dict) -> None:
+    zero, ro = cfg.zero_optimization, raw["zero_optimization"]["offload_optimizer"]
+    assert zero.offload_optimizer is not None and zero.offload_param is not None
+    assert zero.offload_optimizer.device == "nvme"
+    assert str(zero.offload_optimizer.nvme_path) == ro["nvme_path"]
+    assert zero.offload_optimizer.pipeline
+    assert zero.offload_param.buffer_size == int(
+        raw["zero_optimization"]["offload_param"]["buffer_size"]
+    )
+    assert cfg.aio.queue_depth == raw["aio"]["queue_depth"]
+    assert cfg.aio.intra_op_parallelism == raw["aio"]["intra_op_parallelism"]
+
+
+def _bfloat16(cfg: DeepShardConfig, raw: dict) -> None:
+    assert cfg.bf16.enabled and cfg.bf16.check_grad_overflow
+    assert cfg.communication_data_type == "fp32"
+    assert cfg.gradient_allreduce_op == "sum"
+    assert cfg.optimizer is not None and cfg.optimizer.type == "SGD"
+    assert cfg.scheduler is not None and cfg.scheduler.params == raw["scheduler"]["params"]
+
+
+def _profiling(cfg: DeepShardConfig, raw: dict) -> None:
+    flops, rf = cfg.flops_profiler, raw["flops_profiler"]
+    assert flops.enabled and not flops.detailed
+    assert (flops.profile_step, flops.module_depth, flops.top_modules) == (
+        rf["profile_step"],
+        rf["module_depth"],
+        rf["top_modules"],
+    )
+    assert flops.output_file == rf["output_file"]
+    assert cfg.comms_logger.enabled and not cfg.comms_logger.prof_all and cfg.comms_logger.debug
+    assert cfg.comms_logger.prof_ops == raw["comms_logger"]["prof_ops"]
+    assert cfg.timers.throughput.synchronized is False
+    assert cfg.wall_clock_breakdown and cfg.memory_breakdown
+
+
+def _activation(cfg: DeepShardConfig, raw: dict) -> None:
+    act = cfg.activation_checkpointing
+    assert act.partition_activations and act.cpu_checkpointing and act.profile
+    assert act.number_checkpoints == raw["activation_checkpointing"]["number_checkpoints"]
+    assert cfg.tensorboard.output_path == raw["tensorboard"]["output_path"]
+    assert cfg.wandb.team == "ml" and cfg.csv_monitor.enabled
+    assert cfg.checkpoint.tag_validation == "FAIL"  # DeepSpeed matches it case-insensitively
+    assert cfg.checkpoint.load_universal and cfg.checkpoint.use_node_local_storage
+    assert cfg.steps_per_print == raw["steps_per_print"]
+
+
+def _tensor_parallel(cfg: DeepShardConfig, raw: dict) -> None:
+    tp = cfg.tensor_parallel
+    assert tp.autotp_size == raw["tensor_parallel"]["autotp_size"] and tp.tp_overlap_comm
+    assert tp.partition_config is not None and not tp.partition_config.use_default_specs
+    specs = tp.partition_config.layer_specs
+    assert [s.partition_type for s in specs] == ["row", "column", "column"]
+    assert specs[2].shape == [2, -1] and specs[2].partition_dim == 0
+    assert cfg.sequence_parallel_size == raw["sequence_parallel_size"]
+    assert cfg.topology(16).shape == (1, 16 // (4 * 2), 1, 2, 4)
+
+
+def _hf_filled(cfg: DeepShardConfig, raw: dict) -> None:
+    zero = cfg.zero_optimization
+    assert (
+        zero.stage == 3
+        and zero.prefetch_bucket_size == raw["zero_optimization"]["stage3_prefetch_bucket_size"]
+    )
+    assert zero.offload_optimizer is not None and zero.offload_optimizer.device == "none"
+    assert cfg.bf16.enabled and not cfg.fp16.enabled
+    dp = raw["train_batch_size"] // (
+        raw["train_micro_batch_size_per_gpu"] * raw["gradient_accumulation_steps"]
+    )
+    assert cfg.resolve_batch(dp).train_batch_size == raw["train_batch_size"]
+
+
+def _moe_elastic(cfg: DeepShardConfig, raw: dict) -> None:
+    assert cfg.elasticity.enabled and cfg.elasticity.micro_batch_sizes == [8, 12, 16]
+    assert cfg.elasticity.num_gpus_per_node == raw["elasticity"]["num_gpus_per_node"]
+    assert (cfg.moe.ep_size, cfg.moe.num_experts, cfg.moe.top_k) == (4, 16, 2)
+    assert cfg.moe.noisy_gate_policy == "RSample"
+    assert cfg.ep_size == raw["moe"]["ep_size"]
+    assert (
+        cfg.curriculum_learning.enabled and cfg.curriculum_learning.schedule_type == "fixed_linear"
+    )
+    assert cfg.curriculum_learning.schedule_config.total_curriculum_step == 15000
+    ltd = cfg.data_efficiency.data_routing.random_ltd
+    assert ltd.enabled and ltd.random_ltd_layer_id == [1, 2, 3]
+    assert ltd.random_ltd_schedule.schedule_config.require_steps == 200000
+    assert cfg.data_efficiency.seed == raw["data_efficiency"]["seed"]
+
+
+CHECKS: dict[str, Callable[[DeepShardConfig, dict], None]] = {
+    "zero1_fp16_warmuplr.json": _zero1,
+    "zero2_overlap_warmupdecay.json": _zero2,
+    "zero3_stage3_knobs_cosine.json": _zero3_knobs,
+    "zero3_offload_cpu.json": _zero3_cpu,
+    "zero3_nvme_infinity.json": _zero3_nvme,
+    "bfloat16_legacy_onecycle.json": _bfloat16,
+    "profiling_flops_comms.json": _profiling,
+    "activation_checkpointing_monitors.json": _activation,
+    "tensor_parallel_autotp.json": _tensor_parallel,
+    "hf_trainer_filled.json": _hf_filled,
+    "moe_elastic_curriculum.json": _moe_elastic,
+}
+
+
+def test_every_stored_config_is_checked() -> None:
+    stored = {p.name for p in CONFIGS.glob("*.json")}
+    assert stored == set(CHECKS) | {"hf_trainer_auto.json"}
+    assert len(CHECKS) >= 10
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_config_parses_with_its_values(name: str) -> None:
+    cfg = DeepShardConfig.from_file(CONFIGS / name)
+    CHECKS[name](cfg, _raw(name))
+    assert DeepShardConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_hf_auto_placeholders_are_refused_with_every_path() -> None:
+    with pytest.raises(ConfigError, match="Hugging Face Trainer") as info:
+        DeepShardConfig.from_file(CONFIGS / "hf_trainer_auto.json")
+    paths = {path for path, _ in info.value.problems}
+    assert {
+        "bf16.enabled",
+        "optimizer.params.lr",
+        "optimizer.params.betas",
+        "zero_optimization.reduce_bucket_size",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+    } <= paths

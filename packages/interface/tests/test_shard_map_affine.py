@@ -1,0 +1,91 @@
+"""Shard maps describe exactly the elements each rank stores (checked without torch)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from deepshard.interface.errors import CheckpointError
+from deepshard.interface.shard_map import ShardMap, ShardPiece
+
+
+def _values(smap: ShardMap, piece: ShardPiece) -> list[int]:
+    # The global tensor holds its own row-major index, so a piece's values are its flat indices.
+    return list(smap.iter_global_flat(piece))
+
+
+def test_even_split_along_columns_matches_slicing() -> None:
+    rows, cols, world = 4, 6, 3
+    grid = [[r * cols + c for c in range(cols)] for r in range(rows)]
+    smap = ShardMap.even_split((rows, cols), "float32", dim=1, world_size=world)
+    width = cols // world
+    for rank in range(world):
+        (piece,) = smap.pieces_of(rank)
+        expected = [
+            grid[r][c] for r in range(rows) for c in range(rank * width, (rank + 1) * width)
+        ]
+        assert _values(smap, piece) == expected
+    assert smap.missing_elements() == 0
+
+
+def test_flat_partition_straddles_rows() -> None:
+    shape = (5, 7)  # 35 elements cut at 12 and 24: both cuts fall inside a row
+    bounds = [(0, 0, 12), (1, 12, 24), (2, 24, 35)]
+    smap = ShardMap.flat_partition(shape, "bfloat16", bounds=bounds)
+    for rank, start, stop in bounds:
+        (piece,) = smap.pieces_of(rank)
+        assert _values(smap, piece) == list(range(start, stop))
+        assert piece.global_index(0) == divmod(start, shape[1])
+    assert smap.missing_elements() == 0
+
+
+def test_tensor_parallel_box_then_zero_range_composes() -> None:
+    shape = (4, 6)
+    # TP rank holds rows 2..3 (a 2x6 box); ZeRO then keeps elements 5..9 of that box.
+    piece = ShardPiece(rank=1, box_offset=(2, 0), box_shape=(2, 6), flat_start=5, flat_stop=10)
+    smap = ShardMap(shape, "float32", (piece,))
+    box_flat = [(r, c) for r, c in itertools.product(range(2, 4), range(6))]
+    expected = [r * 6 + c for r, c in box_flat[5:10]]
+    assert _values(smap, piece) == expected
+    assert smap.missing_elements() == 24 - 5
+
+
+def test_replicated_and_json_round_trip() -> None:
+    smap = ShardMap.replicated((3, 2), "float16", ranks=[0, 1])
+    restored = ShardMap.from_json(json.loads(json.dumps(smap.to_json())))
+    assert restored == ShardMap(
+        smap.global_shape,
+        smap.dtype,
+        tuple(ShardPiece(p.rank, p.box_offset, p.box_shape, 0, 6) for p in smap.pieces),
+    )
+    assert all(_values(restored, p) == list(range(6)) for p in restored.pieces)
+
+
+@pytest.mark.parametrize(
+    ("piece", "message"),
+    [
+        (ShardPiece(0, (0, 4), (2, 3), 0, None), "outside the tensor's extent 6"),
+        (ShardPiece(0, (0,), (2,), 0, None), "has 1 dims"),
+        (ShardPiece(0, (0, 0), (2, 3), 4, 9), "outside its box of 6 elements"),
+    ],
+)
+def test_out_of_bounds_pieces_are_refused(piece: ShardPiece, message: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        ShardMap((2, 6), "float32", (piece,))
+
+
+def test_malformed_json_is_a_checkpoint_error() -> None:
+    with pytest.raises(CheckpointError, match="malformed"):
+        ShardMap.from_json({"global_shape": [2], "pieces": [{"rank": 0}]})
+
+
+def test_uneven_split_is_refused() -> None:
+    with pytest.raises(CheckpointError, match="does not split evenly"):
+        ShardMap.even_split((5, 2), "float32", dim=0, world_size=2)
+
+
+def test_global_index_rejects_outside_piece() -> None:
+    with pytest.raises(IndexError):
+        ShardPiece(0, (0,), (4,), 1, 3).global_index(2)

@@ -1,0 +1,38 @@
+"""Process groups, the named device mesh, collectives with async handles and a comms logger.
+
+``init_distributed()`` joins the world from the launcher's environment; ``build_mesh(topology)``
+creates the mesh whose named axes (``pp, dp, ep, sp, tp``) every other package receives.
+"""
+
+from __future__ import annotations
+
+from deepshard.comm._handles import CommHandle
+from deepshard.comm._init import DistInfo, init_distributed
+from deepshard.comm.a2a import all_to_all_single_autograd
+from deepshard.comm.collectives import (
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    reduce_scatter_tensor,
+)
+from deepshard.comm.logger import CommRecord, CommsLogger, CommTiming
+from deepshard.comm.mesh import build_mesh
+
+__all__ = [
+    "CommHandle",
+    "CommRecord",
+    "CommTiming",
+    "CommsLogger",
+    "DistInfo",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "all_to_all_single_autograd",
+    "barrier",
+    "broadcast",
+    "build_mesh",
+    "init_distributed",
+    "reduce_scatter_tensor",
+]

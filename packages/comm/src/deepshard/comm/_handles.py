@@ -1,0 +1,81 @@
+"""The handle every collective returns: a wait you may repeat, and the output it yields.
+
+`torch.distributed` returns a `Work` for an async call and `None` for a sync one, and what a
+caller may do after `Work.wait()` differs by backend. DeepShard's collectives always return a
+:class:`CommHandle`, so calling code is the same for both: `wait()` blocks until the collective
+is done, runs the follow-up step once (e.g. the division of an emulated average, or stopping the
+comms logger's clock), and returns the output tensor. Calling `wait()` again only returns the
+output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["CommHandle"]
+
+T = TypeVar("T")
+
+
+class CommHandle(Generic[T]):
+    """The result of one collective; `wait()` completes it and returns the output.
+
+    Sync calls return a handle that is already complete. `wait()` is idempotent: the first call
+    waits on the backend and runs the follow-up step, later calls return the same output.
+
+    Args:
+        output: What `wait()` returns: the output tensor (`None` for `barrier`).
+        work: The backend's pending work for an async call; `None` when already complete.
+        on_complete: Run exactly once, right after the backend completes (also for sync calls,
+            where it runs before the handle is returned).
+    """
+
+    __slots__ = ("_done", "_on_complete", "_output", "_work")
+
+    def __init__(
+        self,
+        output: T,
+        *,
+        work: dist.Work | None = None,
+        on_complete: Callable[[], None] | None = None,
+    ) -> None:
+        self._output = output
+        self._work = work
+        self._on_complete = on_complete
+        self._done = False
+        if work is None:
+            self._complete()
+
+    def wait(self) -> T:
+        """Block until the collective is done and return its output (repeatable).
+
+        Returns:
+            The output tensor (for in-place collectives, the input tensor itself), or `None` for
+            a barrier.
+        """
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            self._complete()
+        return self._output
+
+    def is_completed(self) -> bool:
+        """Whether `wait()` has already finished, i.e. the output may be read.
+
+        A `True` from the backend alone is not enough: the follow-up step runs in `wait()`.
+        """
+        return self._done
+
+    def _complete(self) -> None:
+        self._done = True
+        self._work = None
+        on_complete, self._on_complete = self._on_complete, None
+        if on_complete is not None:
+            on_complete()
+
+    def __repr__(self) -> str:
+        state = "completed" if self._done else "pending"
+        return f"CommHandle({state})"

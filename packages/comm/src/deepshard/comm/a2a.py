@@ -1,0 +1,73 @@
+"""All-to-all that autograd differentiates, in eager mode and under `torch.compile`.
+
+Ulysses sequence parallelism and expert parallelism move activations with an all-to-all and need
+the gradient to travel back the same way. The all-to-all is a permutation of rows between ranks,
+so its backward is the all-to-all with the split sizes swapped: the rows this rank received from
+rank `j` (`output_split_sizes[j]`) are the gradient rows it sends back to `j`, and what it sent to
+`j` (`input_split_sizes[j]`) comes back as the gradient of its input.
+
+PyTorch already has exactly this: `torch.distributed._functional_collectives.all_to_all_single
+_autograd` is a functional collective (registered through `torch.library` with an autograd
+formula), so dynamo and AOTAutograd trace it into the graph instead of breaking on it. DeepShard
+uses it as is (checked with gloo on CPU, eager and compiled) and only adds the group and split
+checks of the other collectives. The result may be an `AsyncCollectiveTensor`, which waits on
+first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from deepshard.comm._groups import Group, resolve_group
+from deepshard.comm._splits import check_split_sizes
+from deepshard.interface.errors import CommError
+
+__all__ = ["all_to_all_single_autograd"]
+
+
+def all_to_all_single_autograd(
+    input: torch.Tensor,
+    *,
+    group: Group,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """All-to-all along dim 0 whose backward sends the gradient back (swapped splits).
+
+    Group rank `j` receives `input_split_sizes[j]` rows from this rank; this rank receives
+    `output_split_sizes[j]` rows from rank `j`, concatenated in group-rank order. With no split
+    sizes, dim 0 is cut into equal parts. Works under `torch.compile` (`fullgraph=True` too).
+
+    Args:
+        input: Rows to send.
+        group: A ProcessGroup or a 1-D DeviceMesh.
+        output_split_sizes: Rows received from each group rank (required with uneven input
+            splits).
+        input_split_sizes: Rows sent to each group rank.
+
+    Returns:
+        The received rows, `(sum(output_split_sizes), *input.shape[1:])`.
+
+    Raises:
+        CommError: On a bad group or splits of the wrong length or sum.
+    """
+    pg = resolve_group(group)
+    size = pg.size()
+    in_splits = check_split_sizes(input_split_sizes, size, input, "input_split_sizes")
+    out_splits = None
+    if output_split_sizes is not None:
+        out_splits = [int(s) for s in output_split_sizes]
+        if len(out_splits) != size or any(s < 0 for s in out_splits):
+            raise CommError(
+                f"output_split_sizes must have one non-negative entry per group rank ({size}), "
+                f"got {out_splits}."
+            )
+    elif in_splits is not None:
+        raise CommError(
+            "all_to_all_single_autograd with input_split_sizes needs output_split_sizes (rows "
+            "received from each rank) to size its output."
+        )
+    return funcol.all_to_all_single_autograd(input, out_splits, in_splits, pg)

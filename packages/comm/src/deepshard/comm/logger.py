@@ -1,0 +1,288 @@
+"""The comms logger: size, latency and bandwidth of each collective, and a summary table.
+
+A :class:`CommsLogger` is an ordinary object passed to the collectives (`logger=`); there is no
+global instance. Per call it records the op, the log name (the op's own name unless the caller gave
+one), the message bytes, and the latency of *that call alone*: the clock starts when the call is
+issued and stops when it completes (for an async call, at the first `wait()` on its handle). On an
+accelerator the device is synchronized before the clock starts and before it stops, so queued
+kernels are not charged to the collective; on CPU nothing needs synchronizing. Bandwidths follow
+nccl-tests (see :mod:`deepshard.comm._bandwidth`).
+
+When the config says `enabled: false` the logger does nothing at all: no clock, no synchronize,
+no record. The summary aggregates every logged call exactly; the per-call records kept for
+inspection are bounded (`max_records`) so a long run does not grow without limit.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+import torch
+import torch.distributed as dist
+
+from deepshard.comm._bandwidth import bandwidth
+from deepshard.comm._summary import CallStats, format_bytes, format_table
+from deepshard.interface.config.comms_logger import CommsLoggerConfig
+from deepshard.interface.errors import ConfigError
+
+__all__ = ["CommRecord", "CommTiming", "CommsLogger"]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One logged call."""
+
+    op: str
+    """The collective, e.g. `"all_reduce"`."""
+    log_name: str
+    """The caller's name for the call; the op's name when none was given."""
+    msg_bytes: int
+    """Bytes counted for the call (nccl-tests conventions)."""
+    latency_s: float
+    """Seconds from issue to completion of this call alone."""
+    world_size: int
+    """Ranks in the group the call ran on."""
+    algbw: float
+    """Algorithmic bandwidth in bytes per second."""
+    busbw: float
+    """Bus bandwidth in bytes per second."""
+    note: str | None = None
+    """Set when the bandwidth used a fallback factor (unknown op)."""
+
+
+@dataclass(frozen=True)
+class CommTiming:
+    """A call whose clock is running; hand it back to :meth:`CommsLogger.stop`."""
+
+    op: str
+    log_name: str
+    msg_bytes: int
+    world_size: int
+    device: torch.device | None
+    start_s: float
+
+
+def _default_synchronize(device: torch.device | None) -> None:
+    """Wait for queued work on `device`'s accelerator; CPU work is already done."""
+    if device is None or device.type == "cpu":
+        return
+    from deepshard.accelerators import get_accelerator
+
+    get_accelerator(device.type).synchronize(device)
+
+
+def _caller_name() -> str:
+    """Name of the innermost calling function outside `deepshard.comm`."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(
+        "deepshard.comm"
+    ):
+        frame = frame.f_back
+    return frame.f_code.co_name
+
+
+class CommsLogger:
+    """Records collectives passed `logger=self` and summarizes them per op and message size.
+
+    Args:
+        config: The `comms_logger` config section; the defaults (disabled) when `None`.
+        synchronize: Called with the tensor's device before the clock starts and stops. Defaults
+            to the device's accelerator synchronize (a no-op on CPU).
+        clock: Monotonic seconds; `time.perf_counter` by default.
+        rank: This process's rank, which decides who prints verbose lines (rank 0). Defaults to
+            the global rank when `torch.distributed` is initialized, else 0.
+        stream: Where verbose lines go; `sys.stdout` (at print time) when `None`.
+        max_records: Most recent per-call records kept in :attr:`records`. The summary counts
+            every call regardless.
+
+    Raises:
+        ConfigError: If `max_records` is not positive.
+    """
+
+    def __init__(
+        self,
+        config: CommsLoggerConfig | None = None,
+        *,
+        synchronize: Callable[[torch.device | None], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        rank: int | None = None,
+        stream: TextIO | None = None,
+        max_records: int = 100_000,
+    ) -> None:
+        if max_records < 1:
+            raise ConfigError(f"CommsLogger max_records must be >= 1, got {max_records}.")
+        self._config = config if config is not None else CommsLoggerConfig()
+        self._synchronize = synchronize if synchronize is not None else _default_synchronize
+        self._clock = clock
+        self._rank = rank
+        self._stream = stream
+        self._records: deque[CommRecord] = deque(maxlen=max_records)
+        self._stats: dict[tuple[str, str, int], CallStats] = {}
+
+    @property
+    def config(self) -> CommsLoggerConfig:
+        """The config section this logger follows."""
+        return self._config
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is recorded at all."""
+        return self._config.enabled
+
+    @property
+    def records(self) -> tuple[CommRecord, ...]:
+        """The most recent per-call records, oldest first."""
+        return tuple(self._records)
+
+    @property
+    def call_count(self) -> int:
+        """Calls logged since construction or the last :meth:`reset`."""
+        return sum(stats.count for stats in self._stats.values())
+
+    def wants(self, op: str, log_name: str | None = None) -> bool:
+        """Whether a call of `op` (named `log_name`) would be logged.
+
+        With `prof_all: false` a call is logged when its op or its log name is in `prof_ops`.
+        """
+        cfg = self._config
+        if not cfg.enabled:
+            return False
+        return (
+            cfg.prof_all
+            or op in cfg.prof_ops
+            or (log_name is not None and log_name in cfg.prof_ops)
+        )
+
+    def start(
+        self,
+        op: str,
+        *,
+        msg_bytes: int,
+        world_size: int,
+        log_name: str | None = None,
+        device: torch.device | None = None,
+    ) -> CommTiming | None:
+        """Start the clock for one call about to be issued.
+
+        Args:
+            op: The collective's name.
+            msg_bytes: Bytes counted for the call.
+            world_size: Ranks in the group.
+            log_name: The caller's name for the call; defaults to `op`.
+            device: The tensors' device, synchronized before the clock starts.
+
+        Returns:
+            The running timing to pass to :meth:`stop`, or `None` when this call is not logged
+            (then nothing was synchronized or timed).
+        """
+        if not self.wants(op, log_name):
+            return None
+        name = log_name if log_name is not None else op
+        if self._config.debug:
+            name = f"{name} | {_caller_name()}"
+        self._synchronize(device)
+        return CommTiming(op, name, msg_bytes, world_size, device, self._clock())
+
+    def stop(self, timing: CommTiming) -> CommRecord:
+        """Stop the clock of a completed call and record it.
+
+        Args:
+            timing: What :meth:`start` returned for the call.
+
+        Returns:
+            The new record.
+        """
+        self._synchronize(timing.device)
+        latency_s = self._clock() - timing.start_s
+        return self._add(timing.op, timing.log_name, timing.msg_bytes, latency_s, timing.world_size)
+
+    def record(
+        self,
+        op: str,
+        *,
+        msg_bytes: int,
+        latency_s: float,
+        world_size: int,
+        log_name: str | None = None,
+    ) -> CommRecord | None:
+        """Record a call timed elsewhere (e.g. a custom collective); any op name is accepted.
+
+        Returns:
+            The record, or `None` when the config filters this call out.
+        """
+        if not self.wants(op, log_name):
+            return None
+        return self._add(
+            op, log_name if log_name is not None else op, msg_bytes, latency_s, world_size
+        )
+
+    def _add(
+        self, op: str, log_name: str, msg_bytes: int, latency_s: float, world_size: int
+    ) -> CommRecord:
+        bw = bandwidth(op, msg_bytes, latency_s, world_size)
+        rec = CommRecord(
+            op, log_name, msg_bytes, latency_s, world_size, bw.algbw, bw.busbw, bw.note
+        )
+        self._records.append(rec)
+        key = (op, log_name, msg_bytes)
+        self._stats.setdefault(key, CallStats()).add(latency_s, bw.algbw, bw.busbw, bw.note)
+        if self._config.verbose and self._print_rank() == 0:
+            print(_verbose_line(rec), file=self._stream or sys.stdout, flush=True)
+        return rec
+
+    def _print_rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def summary(self) -> str:
+        """The table of logged calls per op, log name and message size.
+
+        Columns: count, total and average latency, and the average algorithmic and bus
+        bandwidth of the calls in the row.
+        """
+        return format_table(self._stats)
+
+    def print_summary(self, file: TextIO | None = None) -> None:
+        """Print :meth:`summary` to `file` (standard output when `None`)."""
+        print(self.summary(), file=file or sys.stdout, flush=True)
+
+    def maybe_print_summary(
+        self, step: int, steps_per_print: int, file: TextIO | None = None
+    ) -> bool:
+        """Print the summary when `step` is a positive multiple of `steps_per_print`.
+
+        Every rank that calls this prints; call it on the ranks that should (usually rank 0).
+
+        Returns:
+            Whether the summary was printed.
+
+        Raises:
+            ConfigError: If `steps_per_print` is not positive.
+        """
+        if steps_per_print < 1:
+            raise ConfigError(f"steps_per_print must be >= 1, got {steps_per_print}.")
+        if step <= 0 or step % steps_per_print != 0:
+            return False
+        self.print_summary(file)
+        return True
+
+    def reset(self) -> None:
+        """Forget every record and the summary totals."""
+        self._records.clear()
+        self._stats.clear()
+
+
+def _verbose_line(rec: CommRecord) -> str:
+    gb = 1e9
+    line = (
+        f"[comms] {rec.log_name}: op={rec.op} size={format_bytes(rec.msg_bytes)} "
+        f"latency={rec.latency_s * 1e3:.3f} ms algbw={rec.algbw / gb:.4g} GB/s "
+        f"busbw={rec.busbw / gb:.4g} GB/s"
+    )
+    return f"{line} ({rec.note})" if rec.note else line

@@ -2,7 +2,7 @@
 
 ``get_accelerator()`` picks the device (argument, then ``DEEPSHARD_ACCELERATOR``, then
 ``DS_ACCELERATOR``, then auto-detection) and returns a stateless object satisfying
-:class:`deepshard.interface.accelerator.Accelerator`.
+`deepshard.interface.accelerator.Accelerator`.
 """
 
 from __future__ import annotations

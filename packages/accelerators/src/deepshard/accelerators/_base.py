@@ -2,7 +2,7 @@
 
 Page-locked ("pinned") host memory lets the device copy to and from the host asynchronously. It
 only exists next to a device: the driver of that device locks the pages. So pinning is a property
-of the accelerator, not of the tensor, and each subclass says through :meth:`_pins_host_memory`
+of the accelerator, not of the tensor, and each subclass says through `_pins_host_memory`
 whether it can. Where it cannot (the CPU accelerator), the ``pin_*`` methods return ordinary host
 memory, so code written for a GPU runs unchanged on a CPU-only machine.
 """
@@ -107,7 +107,7 @@ class AcceleratorBase(abc.ABC):
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self._pins_host_memory())
 
     def pin_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        """:meth:`pin_empty` with the shape and dtype of ``tensor`` (the result is contiguous).
+        """`pin_empty` with the shape and dtype of ``tensor`` (the result is contiguous).
 
         Args:
             tensor: A dense CPU tensor.

@@ -2,8 +2,8 @@
 
 Decisions, each documented on the method:
 
-* One device. All ranks on a host share "cpu"; :meth:`CpuAccelerator.bind_local_rank` binds
-  nothing and :meth:`CpuAccelerator.device` accepts any non-negative index.
+* One device. All ranks on a host share "cpu"; `CpuAccelerator.bind_local_rank` binds
+  nothing and `CpuAccelerator.device` accepts any non-negative index.
 * No allocator statistics. The CPU has no device allocator; process RSS measures something else
   (every library's memory, fragmentation, the page cache), so the memory methods return ``None``.
 * No pinning. Page-locking needs a device driver; the ``pin_*`` methods return ordinary memory.

@@ -6,7 +6,7 @@ has no equivalent for lives in the subclasses: the communication backend and the
 Memory statistics come from ``torch.accelerator`` where this torch has them, else from
 the device module (``torch.cuda``/``torch.xpu``/``torch.mps``).
 
-Instances are made by :func:`deepshard.accelerators.get_accelerator`, which first checks that the
+Instances are made by `deepshard.accelerators.get_accelerator`, which first checks that the
 device is usable; constructing a class directly skips that check.
 """
 

@@ -2,7 +2,7 @@
 
 Precedence, first match wins:
 
-1. the ``name`` argument of :func:`get_accelerator`;
+1. the ``name`` argument of `get_accelerator`;
 2. ``DEEPSHARD_ACCELERATOR``;
 3. ``DS_ACCELERATOR`` (the variable DeepSpeed users already set);
 4. auto-detection: the accelerator this torch build targets
@@ -11,7 +11,7 @@ Precedence, first match wins:
    ranking between cuda, xpu and mps to make.
 
 A name that was asked for (argument or environment) must be usable: an unknown name or an
-unusable device raises :class:`AcceleratorError` instead of silently falling back to the CPU.
+unusable device raises `AcceleratorError` instead of silently falling back to the CPU.
 
 Nothing is cached: accelerators are stateless, each call re-reads the environment, and instances
 of one kind compare equal.
@@ -42,7 +42,7 @@ _CLASSES: dict[str, Callable[[], Accelerator]] = {
     "xpu": XpuAccelerator,
 }
 ACCELERATOR_NAMES = tuple(sorted(_CLASSES))
-"""Every name :func:`get_accelerator` accepts."""
+"""Every name `get_accelerator` accepts."""
 
 _MPS_MIN_TORCH = (2, 5)
 
@@ -143,7 +143,7 @@ def get_accelerator(
         env: The environment to read those variables from; ``os.environ`` when ``None``.
 
     Returns:
-        A stateless object satisfying :class:`deepshard.interface.accelerator.Accelerator`.
+        A stateless object satisfying `deepshard.interface.accelerator.Accelerator`.
 
     Raises:
         AcceleratorError: The requested name is unknown, or that device is not usable here

@@ -2,7 +2,7 @@
 
 `torch.distributed` returns a `Work` for an async call and `None` for a sync one, and what a
 caller may do after `Work.wait()` differs by backend. DeepShard's collectives always return a
-:class:`CommHandle`, so calling code is the same for both: `wait()` blocks until the collective
+`CommHandle`, so calling code is the same for both: `wait()` blocks until the collective
 is done, runs the follow-up step once (e.g. the division of an emulated average, or stopping the
 comms logger's clock), and returns the output tensor. Calling `wait()` again only returns the
 output.

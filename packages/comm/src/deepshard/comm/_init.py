@@ -2,7 +2,7 @@
 
 ``init_distributed`` is the one place that touches ``torch.distributed``'s default process group
 (PyTorch keeps it per process; DeepShard adds no state of its own). Everything else receives the
-mesh that :func:`deepshard.comm.build_mesh` makes from it.
+mesh that `deepshard.comm.build_mesh` makes from it.
 
 The rendezvous is a ``TCPStore`` served by rank 0 at ``MASTER_ADDR:MASTER_PORT`` (or by
 torchrun's agent when it says so through ``TORCHELASTIC_USE_AGENT_STORE``), built here rather than
@@ -121,7 +121,7 @@ def init_distributed(
     """Initialise the default process group from the launcher's environment.
 
     Reads torchrun/``ds-launch``, Open MPI or SLURM variables (see
-    :mod:`deepshard.comm._launch_env` for the order and defaults); with none set, the process
+    `deepshard.comm._launch_env` for the order and defaults); with none set, the process
     is a world of one on ``127.0.0.1`` and a free port. Binds this rank's device with
     ``get_accelerator().bind_local_rank(local_rank)`` first. If the default group already
     exists, returns its description without re-initialising, after checking that the
@@ -130,12 +130,12 @@ def init_distributed(
     Args:
         backend: ``"gloo"``, ``"nccl"``, ...; defaults to the accelerator's
             ``communication_backend``.
-        timeout: Timeout of the default group (and, through :func:`build_mesh`, of the mesh's
+        timeout: Timeout of the default group (and, through `build_mesh`, of the mesh's
             groups). Defaults to ``DEEPSHARD_TIMEOUT`` minutes, else 10 minutes.
         env: The variables to read; defaults to ``os.environ``.
 
     Returns:
-        This process's :class:`DistInfo`.
+        This process's `DistInfo`.
 
     Raises:
         ConfigError: A launcher variable or ``DEEPSHARD_TIMEOUT`` is missing or invalid (named).

@@ -13,7 +13,7 @@ sets its own variables, which must win):
    ``MASTER_ADDR`` defaults to the first host of the step's node list.
 
 With none of them the process is a world of one. Defaults for the rendezvous, applied by
-:func:`rendezvous_address`: ``MASTER_ADDR`` is ``127.0.0.1`` when the whole world runs on one
+`rendezvous_address`: ``MASTER_ADDR`` is ``127.0.0.1`` when the whole world runs on one
 node and is required otherwise; ``MASTER_PORT`` is 29500 (torchrun's default) for several
 processes, or a free port for a world of one.
 """

@@ -1,4 +1,4 @@
-"""Collectives as pure functions of (tensors, group), each returning a :class:`CommHandle`.
+"""Collectives as pure functions of (tensors, group), each returning a `CommHandle`.
 
 Every function takes its group keyword-only: a `ProcessGroup`, or a 1-D `DeviceMesh` such as
 `mesh["tp"]`. All ranks of the group must call the same function with matching shapes, like any
@@ -10,7 +10,7 @@ Every function takes its group keyword-only: a `ProcessGroup`, or a 1-D `DeviceM
   other backends (older gloo has no AVG), so the result is the same everywhere;
 * optional outputs, allocated with the shape the collective implies;
 * checks with actionable errors (`CommError`) before anything reaches the backend;
-* per-call logging through an optional :class:`~deepshard.comm.logger.CommsLogger`.
+* per-call logging through an optional `deepshard.comm.logger.CommsLogger`.
 
 Ranks such as `group_src` are ranks *within the group*, not global ranks.
 """

@@ -1,12 +1,12 @@
 """The comms logger: size, latency and bandwidth of each collective, and a summary table.
 
-A :class:`CommsLogger` is an ordinary object passed to the collectives (`logger=`); there is no
+A `CommsLogger` is an ordinary object passed to the collectives (`logger=`); there is no
 global instance. Per call it records the op, the log name (the op's own name unless the caller gave
 one), the message bytes, and the latency of *that call alone*: the clock starts when the call is
 issued and stops when it completes (for an async call, at the first `wait()` on its handle). On an
 accelerator the device is synchronized before the clock starts and before it stops, so queued
 kernels are not charged to the collective; on CPU nothing needs synchronizing. Bandwidths follow
-nccl-tests (see :mod:`deepshard.comm._bandwidth`).
+nccl-tests (see `deepshard.comm._bandwidth`).
 
 When the config says `enabled: false` the logger does nothing at all: no clock, no synchronize,
 no record. The summary aggregates every logged call exactly; the per-call records kept for
@@ -57,7 +57,7 @@ class CommRecord:
 
 @dataclass(frozen=True)
 class CommTiming:
-    """A call whose clock is running; hand it back to :meth:`CommsLogger.stop`."""
+    """A call whose clock is running; hand it back to `CommsLogger.stop`."""
 
     op: str
     log_name: str
@@ -97,7 +97,7 @@ class CommsLogger:
         rank: This process's rank, which decides who prints verbose lines (rank 0). Defaults to
             the global rank when `torch.distributed` is initialized, else 0.
         stream: Where verbose lines go; `sys.stdout` (at print time) when `None`.
-        max_records: Most recent per-call records kept in :attr:`records`. The summary counts
+        max_records: Most recent per-call records kept in `records`. The summary counts
             every call regardless.
 
     Raises:
@@ -141,7 +141,7 @@ class CommsLogger:
 
     @property
     def call_count(self) -> int:
-        """Calls logged since construction or the last :meth:`reset`."""
+        """Calls logged since construction or the last `reset`."""
         return sum(stats.count for stats in self._stats.values())
 
     def wants(self, op: str, log_name: str | None = None) -> bool:
@@ -177,7 +177,7 @@ class CommsLogger:
             device: The tensors' device, synchronized before the clock starts.
 
         Returns:
-            The running timing to pass to :meth:`stop`, or `None` when this call is not logged
+            The running timing to pass to `stop`, or `None` when this call is not logged
             (then nothing was synchronized or timed).
         """
         if not self.wants(op, log_name):
@@ -192,7 +192,7 @@ class CommsLogger:
         """Stop the clock of a completed call and record it.
 
         Args:
-            timing: What :meth:`start` returned for the call.
+            timing: What `start` returned for the call.
 
         Returns:
             The new record.
@@ -249,7 +249,7 @@ class CommsLogger:
         return format_table(self._stats)
 
     def print_summary(self, file: TextIO | None = None) -> None:
-        """Print :meth:`summary` to `file` (standard output when `None`)."""
+        """Print `summary` to `file` (standard output when `None`)."""
         print(self.summary(), file=file or sys.stdout, flush=True)
 
     def maybe_print_summary(

@@ -1,4 +1,4 @@
-"""Build the named device mesh of a :class:`~deepshard.interface.Topology`.
+"""Build the named device mesh of a `deepshard.interface.Topology`.
 
 The mesh always has all five axes of ``Topology.AXES`` (``pp, dp, ep, sp, tp``, outermost first),
 size-1 axes included, so that code can ask for ``mesh["tp"]`` whatever the layout. PyTorch's

@@ -1,6 +1,6 @@
 """The device contract every DeepShard package codes against.
 
-`deepshard.accelerators.get_accelerator()` returns an object that satisfies :class:`Accelerator`;
+`deepshard.accelerators.get_accelerator()` returns an object that satisfies `Accelerator`;
 code above it (comm, zero, the engine) depends on this protocol, not on a concrete class, so a
 test can hand in a fake. The protocol is ``runtime_checkable``: ``isinstance(obj, Accelerator)``
 checks that every member is present (not their signatures).
@@ -66,11 +66,11 @@ class Accelerator(Protocol):
         ...
 
     def max_memory_allocated(self) -> int | None:
-        """Peak of :meth:`memory_allocated` since start or last reset; ``None`` on the CPU."""
+        """Peak of `memory_allocated` since start or last reset; ``None`` on the CPU."""
         ...
 
     def reset_peak_memory_stats(self) -> None:
-        """Restart peak tracking for :meth:`max_memory_allocated`."""
+        """Restart peak tracking for `max_memory_allocated`."""
         ...
 
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ class Accelerator(Protocol):
         ...
 
     def pin_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Like :meth:`pin_empty` with the shape and dtype of the CPU tensor ``tensor``."""
+        """Like `pin_empty` with the shape and dtype of the CPU tensor ``tensor``."""
         ...
 
     def is_bf16_supported(self) -> bool:

@@ -1,6 +1,6 @@
 """The one error hierarchy every DeepShard package raises.
 
-Each error names what is wrong and how to fix it. Catch :class:`DeepShardError` to handle any of
+Each error names what is wrong and how to fix it. Catch `DeepShardError` to handle any of
 them; the subclasses say which kind of input was at fault.
 """
 

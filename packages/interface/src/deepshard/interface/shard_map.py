@@ -1,7 +1,7 @@
 """Shard maps: where every element of a sharded tensor lives.
 
 Every package that shards a tensor (ZeRO partitions, tensor-parallel slices, expert shards,
-sequence-parallel splits) describes the result with a :class:`ShardMap`, and the checkpoint
+sequence-parallel splits) describes the result with a `ShardMap`, and the checkpoint
 package reads nothing else to save, load and reshard it.
 
 A shard is an affine map from a rank's local storage to the global tensor, in two steps:
@@ -89,7 +89,7 @@ class ShardPiece:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ShardPiece:
-        """Read a piece written by :meth:`to_json`."""
+        """Read a piece written by `to_json`."""
         try:
             return cls(
                 rank=int(data["rank"]),
@@ -186,7 +186,7 @@ class ShardMap:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ShardMap:
-        """Read a map written by :meth:`to_json`; malformed input is a ``CheckpointError``."""
+        """Read a map written by `to_json`; malformed input is a ``CheckpointError``."""
         try:
             return cls(
                 global_shape=tuple(int(x) for x in data["global_shape"]),

@@ -1,19 +1,19 @@
 """How ranks are laid out over the parallel axes: pipeline, data, expert, sequence, tensor.
 
-The five axes form a row-major grid in the order of :attr:`Topology.AXES`, outermost first:
+The five axes form a row-major grid in the order of `Topology.AXES`, outermost first:
 ``pp, dp, ep, sp, tp``. Tensor parallelism is innermost, so tensor-parallel peers are adjacent
 ranks (the same node, the fastest links); pipeline stages are outermost. A rank's coordinates
-are the digits of its number in the mixed radix given by :attr:`Topology.shape`.
+are the digits of its number in the mixed radix given by `Topology.shape`.
 
 Dense parameters are replicated, and their gradients averaged, over ``dp × ep × sp``
-(:attr:`Topology.dense_dp_axes`): expert-parallel ranks hold different experts but the same
+(`Topology.dense_dp_axes`): expert-parallel ranks hold different experts but the same
 dense layers, and sequence-parallel ranks hold the same weights and see different slices of
 the same samples. Expert parameters are replicated over ``dp`` only
-(:attr:`Topology.expert_dp_axes`). Ranks that read different samples span ``dp × ep``
-(:attr:`Topology.batch_world_size`), which is the world the batch sizes are reconciled for.
+(`Topology.expert_dp_axes`). Ranks that read different samples span ``dp × ep``
+(`Topology.batch_world_size`), which is the world the batch sizes are reconciled for.
 
 This module is pure arithmetic; ``deepshard.comm.build_mesh`` turns a Topology into a
-``DeviceMesh`` whose dimension names are :attr:`Topology.AXES`.
+``DeviceMesh`` whose dimension names are `Topology.AXES`.
 """
 
 from __future__ import annotations
@@ -112,12 +112,12 @@ class Topology(BaseModel):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Axis sizes in :attr:`AXES` order."""
+        """Axis sizes in `AXES` order."""
         return tuple(getattr(self, axis) for axis in self.AXES)
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        """The axis names, :attr:`AXES`."""
+        """The axis names, `AXES`."""
         return self.AXES
 
     @property
@@ -203,7 +203,7 @@ class Topology(BaseModel):
         """Returns the ranks that differ from ``rank`` only on ``axis`` (its group on that axis).
 
         Args:
-            axis: One of :attr:`AXES`.
+            axis: One of `AXES`.
             rank: A global rank.
 
         Returns:

@@ -1,6 +1,6 @@
-"""The two ways a :func:`~deepshard.testing.run_on_mesh` run can fail.
+"""The two ways a `deepshard.testing.run_on_mesh` run can fail.
 
-Both subclass :class:`AssertionError`: they are test failures, reported by pytest as such, and
+Both subclass `AssertionError`: they are test failures, reported by pytest as such, and
 never raised by library code (so they live here, not in ``deepshard.interface.errors``).
 """
 

@@ -40,7 +40,7 @@ class FunctionRef:
 
 
 def function_ref(fn: Callable[..., Any]) -> FunctionRef:
-    """Describe ``fn`` so that :func:`resolve_function` can find it in a child process.
+    """Describe ``fn`` so that `resolve_function` can find it in a child process.
 
     Raises:
         ConfigError: ``fn`` is a lambda, a nested function or has no module.

@@ -1,4 +1,4 @@
-"""What each rank process of :func:`~deepshard.testing.run_on_mesh` runs.
+"""What each rank process of `deepshard.testing.run_on_mesh` runs.
 
 The process is forked from a forkserver that already imported torch, so start-up costs a fork,
 not an interpreter plus a torch import. It adopts the parent's environment as it was at the call

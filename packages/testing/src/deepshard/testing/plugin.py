@@ -1,7 +1,7 @@
 """pytest plugin of ``deepshard-testing`` (registered through the ``pytest11`` entry point).
 
 Fixtures:
-    run_on_mesh: :func:`deepshard.testing.run_on_mesh` with ``store_dir`` bound to the test's
+    run_on_mesh: `deepshard.testing.run_on_mesh` with ``store_dir`` bound to the test's
         ``tmp_path``, so each test's FileStore and rank logs stay with the test.
 
 Loading the plugin imports neither torch nor ``deepshard.comm``.

@@ -1,6 +1,6 @@
 """The DeepShard config schema: one frozen pydantic model per DeepSpeed config section.
 
-:class:`DeepShardConfig` is the whole config; each section model below is what the package that
+`DeepShardConfig` is the whole config; each section model below is what the package that
 owns the feature receives (``ZeroConfig`` for ZeRO, ``Fp16Config`` for loss scaling, ...).
 """
 

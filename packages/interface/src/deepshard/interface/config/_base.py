@@ -39,8 +39,8 @@ class ConfigModel(BaseModel):
     """A frozen config section: unknown keys are refused, field docstrings become descriptions.
 
     DeepSpeed key names are accepted through aliases; Python names work too. Constructing a
-    section directly (``ZeroConfig(stage=5)``) raises :class:`~deepshard.interface.ConfigError`
-    with DeepSpeed key paths, like :meth:`DeepShardConfig.from_dict` does.
+    section directly (``ZeroConfig(stage=5)``) raises `deepshard.interface.ConfigError`
+    with DeepSpeed key paths, like `DeepShardConfig.from_dict` does.
     """
 
     model_config = ConfigDict(

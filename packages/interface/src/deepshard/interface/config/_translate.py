@@ -1,4 +1,4 @@
-"""Turns a pydantic ``ValidationError`` into a :class:`ConfigError` that speaks DeepSpeed keys.
+"""Turns a pydantic ``ValidationError`` into a `ConfigError` that speaks DeepSpeed keys.
 
 Pydantic reports each problem with a location tuple such as ``("zero_optimization",
 "offload_param", "device")``. We walk that location through the model classes, so every segment is
@@ -139,7 +139,7 @@ def _describe(error: ErrorDetails, model: type[BaseModel]) -> Iterator[tuple[str
 def config_error_from_validation(
     exc: ValidationError, model: type[BaseModel], prefix: str = ""
 ) -> ConfigError:
-    """Builds the :class:`ConfigError` for a failed validation of ``model``.
+    """Builds the `ConfigError` for a failed validation of ``model``.
 
     Args:
         exc: The pydantic error.

@@ -10,7 +10,7 @@ or only ``train_micro_batch_size_per_gpu``; the rest are derived the way DeepSpe
 * neither the global nor the micro batch (at most the accumulation steps): an error.
 
 The data-parallel world here counts the ranks that each read their own micro-batch
-(:attr:`Topology.batch_world_size`: dp × ep; tensor- and sequence-parallel peers share samples).
+(`Topology.batch_world_size`: dp × ep; tensor- and sequence-parallel peers share samples).
 """
 
 from __future__ import annotations

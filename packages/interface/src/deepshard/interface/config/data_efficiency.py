@@ -2,7 +2,7 @@
 
 DeepSpeed reads both sections as plain dictionaries and checks keys only when a feature runs;
 here each documented key is a typed field. ``curriculum_metrics`` is keyed by metric names the
-user chooses, so it is a mapping of name to :class:`CurriculumMetricConfig`.
+user chooses, so it is a mapping of name to `CurriculumMetricConfig`.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ __all__ = ["DeepShardConfig"]
 class DeepShardConfig(TopLevelSettings):
     """A whole training config: the top-level settings plus one model per section.
 
-    Build it with :meth:`from_dict` or :meth:`from_file` (errors become
-    :class:`~deepshard.interface.ConfigError` with DeepSpeed key paths); :meth:`to_dict` gives the
+    Build it with `from_dict` or `from_file` (errors become
+    `deepshard.interface.ConfigError` with DeepSpeed key paths); `to_dict` gives the
     DeepSpeed key names back.
     """
 
@@ -194,7 +194,7 @@ class DeepShardConfig(TopLevelSettings):
 
         Args:
             path: The config file; ``.hjson`` files are read as HJSON.
-            dp_world_size: As in :meth:`from_dict`.
+            dp_world_size: As in `from_dict`.
 
         Returns:
             The validated config.
@@ -211,7 +211,7 @@ class DeepShardConfig(TopLevelSettings):
             exclude_defaults: Leave out settings equal to their default.
 
         Returns:
-            A dict that :meth:`from_dict` turns back into an equal config.
+            A dict that `from_dict` turns back into an equal config.
         """
         return self.model_dump(mode="json", by_alias=True, exclude_defaults=exclude_defaults)
 
@@ -220,7 +220,7 @@ class DeepShardConfig(TopLevelSettings):
 
         Args:
             dp_world_size: Ranks that each read their own micro-batch
-                (:attr:`Topology.batch_world_size`).
+                (`Topology.batch_world_size`).
 
         Returns:
             The reconciled batch sizes.

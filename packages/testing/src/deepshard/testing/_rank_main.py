@@ -10,9 +10,11 @@ process group is torn down so that the parent can stop the other ranks straight 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
+import sys
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -54,6 +56,14 @@ def _redirect_output(log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def _flush_output() -> None:
+    # The parent echoes the log as soon as the last result arrives: what the rank printed must
+    # be in the file by then, not in Python's stdio buffers.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _adopt_environment(spec: RankSpec) -> None:
@@ -116,10 +126,12 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         _adopt_environment(spec)
         data = _run(spec)
     except BaseException:
+        _flush_output()
         conn.send(("error", traceback.format_exc()))
         conn.close()
         _destroy_default_group()
         raise SystemExit(1) from None
     _destroy_default_group()
+    _flush_output()
     conn.send(("ok", data))
     conn.close()

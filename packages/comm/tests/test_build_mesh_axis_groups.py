@@ -80,6 +80,54 @@ def test_mesh_matches_topology(topology: Topology, tmp_path: object) -> None:
             assert result["timeouts"][axis] == timedelta(seconds=77)
 
 
+def _describe_mesh_with_timeout(mesh: object, topology: Topology) -> dict[str, object]:
+    # run_on_mesh built the default group (and a first mesh) with its own timeout; this mesh
+    # asks for another one explicitly.
+    return _describe_mesh(build_mesh(topology, timeout=timedelta(seconds=123)))
+
+
+def test_explicit_timeout_reaches_every_axis_group(tmp_path: object) -> None:
+    topology = Topology(dp=2, tp=2)
+    results = run_on_mesh(
+        _describe_mesh_with_timeout, 4, args=(topology,), topology=topology, timeout_s=77.0
+    )
+    for result in results:
+        # Every axis, the full-world dp x tp ones included, has the requested timeout.
+        assert result["timeouts"] == dict.fromkeys(Topology.AXES, timedelta(seconds=123))
+
+
+def _build_without_timeout_options(mesh: object) -> str:
+    import deepshard.comm.mesh as mesh_module
+
+    def unreadable(device_type: str) -> None:
+        return None
+
+    mesh_module._default_group_timeout = unreadable  # type: ignore[assignment]
+    try:
+        build_mesh(Topology(dp=2))
+    except CommError as error:
+        return str(error)
+    return "no error"
+
+
+def test_unreadable_default_timeout_is_refused_not_replaced(tmp_path: object) -> None:
+    for message in run_on_mesh(_build_without_timeout_options, 2, store_dir=tmp_path):
+        assert "'gloo'" in message and "cannot be read" in message
+        assert "init_device_mesh" in message
+
+
+def test_backend_without_timeout_options_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import deepshard.comm.mesh as mesh_module
+
+    monkeypatch.setattr(mesh_module, "_backend_for", lambda device_type: "mpi")
+    monkeypatch.setattr(
+        mesh_module, "_default_group_timeout", lambda device_type: timedelta(minutes=5)
+    )
+    for timeout in (None, timedelta(seconds=9)):
+        with pytest.raises(CommError, match=r"'mpi'.*take no timeout options"):
+            mesh_module._timeout_overrides(Topology(dp=2), "cpu", timeout)
+
+
 def test_mismatched_topology_names_both_sizes(tmp_path: object) -> None:
     results = run_on_mesh(_build_mismatched, 2, args=(Topology(dp=2, tp=2),), store_dir=tmp_path)
     for message in results:

@@ -54,6 +54,10 @@ def _all_collectives(mesh: Any) -> dict[str, Any]:
         _input(4, rank, (2, COLS)), group=group, output=gathered, async_op=True
     )
     out["gather_async_is_output"] = gh.wait() is gathered and gh.wait() is gathered
+    out["gather_0d"] = comm.all_gather_into_tensor(_input(9, rank, ()), group=group).wait()
+    out["gather_stacked"] = comm.all_gather_into_tensor(
+        _input(4, rank, (2, COLS)), group=group, output=torch.empty(n, 2, COLS)
+    ).wait()
     for op in ("sum", "avg"):
         rs = comm.reduce_scatter_tensor(_input(5, rank, (ROWS, COLS)), group=group, op=op)
         out[f"rs_{op}"] = rs.wait()
@@ -94,6 +98,8 @@ def _expected(rank: int, n: int) -> dict[str, torch.Tensor]:
         "product": small.prod(0),
         "async_sum": torch.stack([_input(3, r, (ROWS, COLS)) for r in range(n)]).sum(0),
         "gather": torch.cat([_input(4, r, (2, COLS)) for r in range(n)]),
+        "gather_0d": torch.stack([_input(9, r, ()) for r in range(n)]),
+        "gather_stacked": torch.stack([_input(4, r, (2, COLS)) for r in range(n)]),
         "rs_sum": rs_in.sum(0)[rank * chunk : (rank + 1) * chunk],
         "rs_avg": rs_in.mean(0)[rank * chunk : (rank + 1) * chunk],
         "a2a_even": torch.cat([parts[rank] for parts in even_parts]),

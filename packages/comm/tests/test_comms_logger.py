@@ -139,7 +139,8 @@ def test_summary_aggregates_per_op_and_size() -> None:
     table = logger.summary()
     rows = [line.split() for line in table.splitlines()]
     ar_2k = next(r for r in rows if r[0] == "all_reduce" and r[2:4] == ["2.00", "KiB"])
-    count, total_ms, avg_ms, algbw = ar_2k[4], ar_2k[5], ar_2k[6], ar_2k[7]
+    ranks, count, total_ms, avg_ms, algbw = ar_2k[4], ar_2k[5], ar_2k[6], ar_2k[7], ar_2k[8]
+    assert int(ranks) == 4
     assert int(count) == len(latencies)
     assert float(total_ms) == pytest.approx(sum(latencies) * 1e3, abs=1e-3)
     assert float(avg_ms) == pytest.approx(sum(latencies) / len(latencies) * 1e3, abs=1e-3)
@@ -177,6 +178,52 @@ def test_verbose_prints_one_line_per_call_on_rank_zero_only() -> None:
         logger.record("all_reduce", msg_bytes=8, latency_s=0.5, world_size=2, log_name="x")
         assert len(out.getvalue().splitlines()) == expected_lines
         assert logger.call_count == 1
+
+
+def test_verbose_prints_on_rank_zero_of_the_calls_group() -> None:
+    cfg = CommsLoggerConfig(enabled=True, verbose=True)
+    out = io.StringIO()
+    logger = CommsLogger(cfg, synchronize=SyncSpy(), stream=out)  # no logger-wide rank
+    logger.record("all_reduce", msg_bytes=8, latency_s=0.5, world_size=2, group_rank=1)
+    assert out.getvalue() == ""
+    timing = logger.start("all_reduce", msg_bytes=8, world_size=2, group_rank=0)
+    assert timing is not None
+    logger.stop(timing)
+    assert len(out.getvalue().splitlines()) == 1
+    # A logger-wide rank wins over the group's.
+    quiet = io.StringIO()
+    ranked = CommsLogger(cfg, synchronize=SyncSpy(), rank=3, stream=quiet)
+    ranked.record("all_reduce", msg_bytes=8, latency_s=0.5, world_size=2, group_rank=0)
+    assert quiet.getvalue() == ""
+
+
+def test_verbose_without_any_rank_is_refused_before_timing() -> None:
+    spy = SyncSpy()
+    logger = CommsLogger(CommsLoggerConfig(enabled=True, verbose=True), synchronize=spy)
+    with pytest.raises(ConfigError, match="rank="):
+        logger.start("all_reduce", msg_bytes=8, world_size=2)
+    with pytest.raises(ConfigError, match="rank="):
+        logger.record("all_reduce", msg_bytes=8, latency_s=0.5, world_size=2)
+    assert spy.devices == [] and logger.call_count == 0
+    # Without verbose nothing is printed, so no rank is needed.
+    CommsLogger(CommsLoggerConfig(enabled=True)).record(
+        "all_reduce", msg_bytes=8, latency_s=0.5, world_size=2
+    )
+
+
+def test_summary_separates_group_sizes() -> None:
+    logger = CommsLogger(CommsLoggerConfig(enabled=True), synchronize=SyncSpy())
+    for world_size in (2, 8):
+        logger.record("all_reduce", msg_bytes=1024, latency_s=0.5, world_size=world_size)
+    rows = [line.split() for line in logger.summary().splitlines()[2:]]
+    assert [(r[0], int(r[4]), int(r[5])) for r in rows] == [
+        ("all_reduce", 2, 1),
+        ("all_reduce", 8, 1),
+    ]
+    # all_reduce bus bandwidth is algbw * 2 (n - 1) / n, so the rows differ by that factor.
+    algbw = 1024 / 0.5 / 1e9
+    for r, n in zip(rows, (2, 8), strict=True):
+        assert float(r[9]) == pytest.approx(algbw * 2 * (n - 1) / n, rel=1e-3)
 
 
 def test_records_are_bounded_but_the_summary_counts_every_call() -> None:

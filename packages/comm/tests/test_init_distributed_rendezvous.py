@@ -128,3 +128,33 @@ def test_no_launcher_is_a_world_of_one() -> None:
     assert info.master_port is not None and info.master_port > 0
     assert result["total"] == 1.0
     assert result["timeout_s"] == 600.0  # the 10-minute default
+
+
+def test_backend_failure_is_a_comm_error_naming_the_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed as dist
+
+    from deepshard.comm import init_distributed
+    from deepshard.interface.errors import CommError
+
+    def no_nccl(backend: str, **kwargs: object) -> None:
+        # What torch raises for nccl on a machine without NVIDIA GPUs.
+        raise RuntimeError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!")
+
+    monkeypatch.setattr(dist, "init_process_group", no_nccl)
+    with pytest.raises(CommError, match=r"'nccl'.*no GPUs found.*backend='gloo'"):
+        init_distributed(backend="nccl", env={})
+    assert not dist.is_initialized()
+
+
+def test_world_of_one_with_a_remote_master_addr_is_a_comm_error() -> None:
+    import torch.distributed as dist
+
+    from deepshard.comm import init_distributed
+    from deepshard.interface.errors import CommError
+
+    # 192.0.2.1 (TEST-NET-1, RFC 5737) is never this host's address.
+    with pytest.raises(CommError, match=r"MASTER_ADDR='192\.0\.2\.1'.*MASTER_PORT"):
+        init_distributed(backend="gloo", env={"MASTER_ADDR": "192.0.2.1"})
+    assert not dist.is_initialized()

@@ -16,7 +16,7 @@ from deepshard.comm._launch_env import (
     rendezvous_address,
     resolve_timeout,
 )
-from deepshard.interface.errors import ConfigError
+from deepshard.interface.errors import CommError, ConfigError
 
 TORCHRUN = {
     "RANK": "5",
@@ -69,12 +69,41 @@ SLURM = {
         (
             {
                 "SLURM_PROCID": "0",
-                "SLURM_NTASKS": "2",
+                "SLURM_STEP_NUM_TASKS": "2",
                 "SLURM_LOCALID": "0",
-                "SLURM_NTASKS_PER_NODE": "2",
                 "SLURM_NODELIST": "n1",
             },
             LaunchEnv(0, 2, 0, 2, "n1", None, "slurm"),
+        ),
+        # The step's task count wins over the job's (srun -n 4 inside an 8-task job).
+        (
+            {**SLURM, "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "7"},
+            LaunchEnv(6, 7, 0, 1, "gpu07", None, "slurm"),
+        ),
+        # MASTER_PORT defaults to one derived from the job id; an explicit one wins.
+        ({**SLURM, "SLURM_JOB_ID": "123456"}, LaunchEnv(6, 7, 0, 1, "gpu07", 13456, "slurm")),
+        ({**SLURM, "SLURM_JOB_ID": "7"}, LaunchEnv(6, 7, 0, 1, "gpu07", 10007, "slurm")),
+        (
+            {**SLURM, "SLURM_JOB_ID": "7", "MASTER_PORT": "2222"},
+            LaunchEnv(6, 7, 0, 1, "gpu07", 2222, "slurm"),
+        ),
+        # python run directly in an sbatch script (the batch step): no srun step variables,
+        # so not a SLURM rank but a world of one, whatever the job's SLURM_NTASKS says.
+        (
+            {
+                "SLURM_PROCID": "0",
+                "SLURM_NTASKS": "8",
+                "SLURM_LOCALID": "0",
+                "SLURM_NODEID": "0",
+                "SLURM_TASKS_PER_NODE": "4(x2)",
+                "SLURM_JOB_NODELIST": "n[1-2]",
+                "SLURM_JOB_ID": "99",
+            },
+            LaunchEnv(0, 1, 0, 1, None, None, "none"),
+        ),
+        (
+            {k: v for k, v in SLURM.items() if k != "SLURM_STEP_TASKS_PER_NODE"},
+            LaunchEnv(0, 1, 0, 1, None, None, "none"),
         ),
         # torchrun's variables win over the SLURM job it runs in.
         ({**SLURM, **TORCHRUN}, LaunchEnv(5, 8, 1, 4, "10.0.0.7", 29611, "torchrun")),
@@ -105,11 +134,10 @@ def test_launcher_variables_are_read(env: dict[str, str], expected: LaunchEnv) -
             "OMPI_COMM_WORLD_LOCAL_SIZE",
         ),
         ({**OMPI, "OMPI_COMM_WORLD_SIZE": "four"}, "OMPI_COMM_WORLD_SIZE"),
-        ({k: v for k, v in SLURM.items() if k != "SLURM_NTASKS"}, "SLURM_NTASKS"),
-        (
-            {k: v for k, v in SLURM.items() if k != "SLURM_STEP_TASKS_PER_NODE"},
-            "SLURM_STEP_TASKS_PER_NODE",
-        ),
+        ({**SLURM, "SLURM_STEP_NUM_TASKS": "6"}, "SLURM_PROCID"),
+        ({**SLURM, "SLURM_STEP_NUM_TASKS": "0"}, "SLURM_STEP_NUM_TASKS"),
+        ({**SLURM, "SLURM_JOB_ID": "job"}, "SLURM_JOB_ID"),
+        ({k: v for k, v in SLURM.items() if k != "SLURM_LOCALID"}, "SLURM_LOCALID"),
         ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x)"}, "SLURM_STEP_TASKS_PER_NODE"),
         ({**SLURM, "SLURM_NODEID": "4"}, "SLURM_NODEID"),
         ({**SLURM, "SLURM_STEP_NODELIST": "gpu[07-09"}, "SLURM_STEP_NODELIST"),
@@ -184,6 +212,14 @@ def test_world_of_one_gets_a_free_port() -> None:
     assert 0 < port < 65536
     with socket.socket() as probe:  # the port is free: it can be bound again
         probe.bind((addr, port))
+
+
+def test_world_of_one_with_a_remote_master_addr_is_refused() -> None:
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): never an address of this host.
+    with pytest.raises(CommError, match="MASTER_ADDR"):
+        rendezvous_address(LaunchEnv(0, 1, 0, 1, "192.0.2.1", None, "none"))
+    # With MASTER_PORT given nothing is bound here, so the pair is passed through.
+    assert rendezvous_address(LaunchEnv(0, 1, 0, 1, "192.0.2.1", 7, "none")) == ("192.0.2.1", 7)
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,10 @@ def _tensor_parallel(cfg: DeepShardConfig, raw: dict) -> None:
     assert cfg.topology(16).shape == (1, 16 // (4 * 2), 1, 2, 4)
 
 
+HF_FILLED_DP_WORLD_SIZE = 8
+"""Data-parallel size hf_trainer_filled.json was written for (64 = 4 micro x 2 accum x 8)."""
+
+
 def _hf_filled(cfg: DeepShardConfig, raw: dict) -> None:
     zero = cfg.zero_optimization
     assert (
@@ -134,25 +138,41 @@ def _hf_filled(cfg: DeepShardConfig, raw: dict) -> None:
     )
     assert zero.offload_optimizer is not None and zero.offload_optimizer.device == "none"
     assert cfg.bf16.enabled and not cfg.fp16.enabled
-    dp = raw["train_batch_size"] // (
-        raw["train_micro_batch_size_per_gpu"] * raw["gradient_accumulation_steps"]
-    )
-    assert cfg.resolve_batch(dp).train_batch_size == raw["train_batch_size"]
+    # The HF Trainer filled this file for a launch on HF_FILLED_DP_WORLD_SIZE data-parallel ranks.
+    sizes = cfg.resolve_batch(HF_FILLED_DP_WORLD_SIZE)
+    assert sizes.train_batch_size == raw["train_batch_size"]
+    assert sizes.train_micro_batch_size_per_gpu == raw["train_micro_batch_size_per_gpu"]
+    assert sizes.gradient_accumulation_steps == raw["gradient_accumulation_steps"]
+    with pytest.raises(ConfigError):
+        cfg.resolve_batch(HF_FILLED_DP_WORLD_SIZE // 2)
 
 
 def _moe_elastic(cfg: DeepShardConfig, raw: dict) -> None:
-    assert cfg.elasticity.enabled and cfg.elasticity.micro_batch_sizes == [8, 12, 16]
-    assert cfg.elasticity.num_gpus_per_node == raw["elasticity"]["num_gpus_per_node"]
-    assert (cfg.moe.ep_size, cfg.moe.num_experts, cfg.moe.top_k) == (4, 16, 2)
-    assert cfg.moe.noisy_gate_policy == "RSample"
-    assert cfg.ep_size == raw["moe"]["ep_size"]
-    assert (
-        cfg.curriculum_learning.enabled and cfg.curriculum_learning.schedule_type == "fixed_linear"
+    elastic, moe, curriculum = raw["elasticity"], raw["moe"], raw["curriculum_learning"]
+    assert cfg.elasticity.enabled is elastic["enabled"]
+    assert cfg.elasticity.micro_batch_sizes == elastic["micro_batch_sizes"]
+    assert cfg.elasticity.num_gpus_per_node == elastic["num_gpus_per_node"]
+    assert (cfg.moe.ep_size, cfg.moe.num_experts, cfg.moe.top_k) == (
+        moe["ep_size"],
+        moe["num_experts"],
+        moe["top_k"],
     )
-    assert cfg.curriculum_learning.schedule_config.total_curriculum_step == 15000
+    assert cfg.moe.noisy_gate_policy == moe["noisy_gate_policy"]
+    assert cfg.ep_size == moe["ep_size"]
+    assert cfg.curriculum_learning.enabled is curriculum["enabled"]
+    assert cfg.curriculum_learning.schedule_type == curriculum["schedule_type"]
+    assert (
+        cfg.curriculum_learning.schedule_config.total_curriculum_step
+        == curriculum["schedule_config"]["total_curriculum_step"]
+    )
+    raw_ltd = raw["data_efficiency"]["data_routing"]["random_ltd"]
     ltd = cfg.data_efficiency.data_routing.random_ltd
-    assert ltd.enabled and ltd.random_ltd_layer_id == [1, 2, 3]
-    assert ltd.random_ltd_schedule.schedule_config.require_steps == 200000
+    assert ltd.enabled is raw_ltd["enabled"]
+    assert ltd.random_ltd_layer_id == raw_ltd["random_ltd_layer_id"]
+    assert (
+        ltd.random_ltd_schedule.schedule_config.require_steps
+        == raw_ltd["random_ltd_schedule"]["schedule_config"]["require_steps"]
+    )
     assert cfg.data_efficiency.seed == raw["data_efficiency"]["seed"]
 
 

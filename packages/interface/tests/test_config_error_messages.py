@@ -122,19 +122,23 @@ def test_literal_violation_lists_the_accepted_values(
 
 def test_every_problem_is_reported_at_once() -> None:
     problems = _problems(
-        {"fp16": {"hysteresis": 0}, "zero_optimization": {"stage": 9}, "wandb": {"projet": "x"}}
+        {
+            "fp16": {"enabled": True, "hysteresis": 0},
+            "zero_optimization": {"stage": 9},
+            "wandb": {"projet": "x"},
+        }
     )
     assert set(problems) == {"fp16.hysteresis", "zero_optimization.stage", "wandb.projet"}
 
 
 def test_message_lists_one_line_per_problem() -> None:
     with pytest.raises(ConfigError) as info:
-        DeepShardConfig.from_dict({"fp16": {"hysteresis": 0}, "aio": {"queue_depth": 0}})
+        DeepShardConfig.from_dict({"aio": {"queue_depth": 0, "intra_op_parallelism": 0}})
     lines = str(info.value).splitlines()
     assert lines[0] == "2 problems in the DeepShard config:"
     assert sorted(lines[1:]) == [
+        "  - aio.intra_op_parallelism: must be >= 1; got 0",
         "  - aio.queue_depth: must be >= 1; got 0",
-        "  - fp16.hysteresis: must be >= 1; got 0",
     ]
 
 
@@ -248,7 +252,7 @@ def test_sections_built_directly_raise_config_error_with_their_path() -> None:
 
 def test_config_error_survives_pickling() -> None:
     with pytest.raises(ConfigError) as info:
-        DeepShardConfig.from_dict({"fp16": {"hysteresis": 0}})
+        DeepShardConfig.from_dict({"fp16": {"enabled": True, "hysteresis": 0}})
     clone = pickle.loads(pickle.dumps(info.value))
     assert (str(clone), clone.problems) == (str(info.value), info.value.problems)
 

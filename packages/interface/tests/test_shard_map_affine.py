@@ -89,3 +89,15 @@ def test_uneven_split_is_refused() -> None:
 def test_global_index_rejects_outside_piece() -> None:
     with pytest.raises(IndexError):
         ShardPiece(0, (0,), (4,), 1, 3).global_index(2)
+
+
+def test_negative_dim_counts_from_the_end() -> None:
+    assert ShardMap.even_split((4, 6), "float32", dim=-1, world_size=3) == ShardMap.even_split(
+        (4, 6), "float32", dim=1, world_size=3
+    )
+
+
+@pytest.mark.parametrize(("dim", "world", "message"), [(2, 2, "out of range"), (0, 0, ">= 1")])
+def test_bad_split_arguments_are_checkpoint_errors(dim: int, world: int, message: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        ShardMap.even_split((4, 6), "float32", dim=dim, world_size=world)

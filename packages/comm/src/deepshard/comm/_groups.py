@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, TypeAlias
 
 import torch
@@ -13,6 +14,7 @@ from deepshard.interface.errors import CommError
 __all__ = [
     "Group",
     "ReduceOpLike",
+    "barrier_device_ids",
     "check_avg_dtype",
     "check_output",
     "has_native_avg",
@@ -101,19 +103,39 @@ def check_avg_dtype(tensor: torch.Tensor) -> None:
 
 
 def check_output(
-    output: torch.Tensor, input: torch.Tensor, *, expected_numel: int, what: str
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    accepted_shapes: Sequence[tuple[int, ...]],
+    what: str,
 ) -> None:
-    """Refuse a caller-given output of the wrong size, dtype or device.
+    """Refuse a caller-given output of the wrong shape, dtype or device.
+
+    Args:
+        output: The caller's output tensor.
+        input: The collective's input (gives the dtype and device).
+        accepted_shapes: The exact shapes the collective can write; the first is the one it
+            allocates itself.
+        what: What the output holds, for the message.
 
     Raises:
-        CommError: Naming the expected size and dtype, or the two devices.
+        CommError: Naming the accepted shapes and dtype, or the two devices.
     """
-    if output.numel() != expected_numel or output.dtype != input.dtype:
+    shapes = [tuple(shape) for shape in accepted_shapes]
+    if tuple(output.shape) not in shapes or output.dtype != input.dtype:
+        wanted = " or ".join(str(shape) for shape in shapes)
         raise CommError(
-            f"output for the {what} must have {expected_numel} elements of {input.dtype}, got "
+            f"output for the {what} must have shape {wanted} and dtype {input.dtype}, got "
             f"shape {tuple(output.shape)} of {output.dtype}; pass output=None to allocate it."
         )
     if output.device != input.device:
         raise CommError(
             f"output is on {output.device} but input on {input.device}; put both on one device."
         )
+
+
+def barrier_device_ids(backend: str, device_ids: Sequence[int] | None) -> list[int] | None:
+    """The `device_ids` to hand `dist.barrier` on `backend`: forwarded to nccl only."""
+    if device_ids is not None and backend == "nccl":
+        return list(device_ids)
+    return None

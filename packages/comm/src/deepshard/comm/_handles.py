@@ -29,8 +29,9 @@ class CommHandle(Generic[T]):
     Args:
         output: What `wait()` returns: the output tensor (`None` for `barrier`).
         work: The backend's pending work for an async call; `None` when already complete.
-        on_complete: Run exactly once, right after the backend completes (also for sync calls,
-            where it runs before the handle is returned).
+        on_complete: Run once, right after the backend completes (also for sync calls, where it
+            runs before the handle is returned). If it raises, the error propagates and the
+            handle stays pending: the next `wait()` runs it again.
     """
 
     __slots__ = ("_done", "_on_complete", "_output", "_work")
@@ -70,11 +71,13 @@ class CommHandle(Generic[T]):
         return self._done
 
     def _complete(self) -> None:
-        self._done = True
+        # The backend is done; only the follow-up is left. If it raises, the handle stays
+        # pending and the next wait() runs it again instead of returning an unfinished output.
         self._work = None
-        on_complete, self._on_complete = self._on_complete, None
-        if on_complete is not None:
-            on_complete()
+        if self._on_complete is not None:
+            self._on_complete()
+            self._on_complete = None
+        self._done = True
 
     def __repr__(self) -> str:
         state = "completed" if self._done else "pending"

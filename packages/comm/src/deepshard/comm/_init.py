@@ -139,7 +139,9 @@ def init_distributed(
 
     Raises:
         ConfigError: A launcher variable or ``DEEPSHARD_TIMEOUT`` is missing or invalid (named).
-        CommError: The rendezvous failed, or an existing group contradicts the environment.
+        CommError: The rendezvous or the backend failed (e.g. nccl without a GPU), a world of one
+            names a ``MASTER_ADDR`` that is not this host, or an existing group contradicts
+            the environment.
     """
     environ: Mapping[str, str] = os.environ if env is None else env
     launch = read_launch_env(environ)
@@ -156,14 +158,22 @@ def init_distributed(
     # A bound accelerator device lets NCCL/XCCL create the communicator eagerly, which the mesh
     # then splits per axis instead of creating each group from scratch.
     device_id = device if device.type != "cpu" and backend != "gloo" else None
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=group_timeout,
-        device_id=device_id,
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=group_timeout,
+            device_id=device_id,
+        )
+    except (RuntimeError, ValueError) as error:
+        raise CommError(
+            f"rank {launch.rank} of {launch.world_size} could not create the default process "
+            f"group with backend {backend!r} on device {device} ({error}); pass a backend this "
+            f"machine supports (e.g. backend='gloo' on CPU, 'nccl' only with NVIDIA GPUs) or "
+            f"check that the device and backend library are available"
+        ) from error
     return DistInfo(
         launch.rank,
         launch.world_size,

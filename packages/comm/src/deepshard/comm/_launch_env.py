@@ -8,9 +8,15 @@ sets its own variables, which must win):
    ``MASTER_ADDR``, ``MASTER_PORT``.
 2. Open MPI (``mpirun``): ``OMPI_COMM_WORLD_RANK``, ``..._SIZE``, ``..._LOCAL_RANK``,
    ``..._LOCAL_SIZE``; the rendezvous address comes from ``MASTER_ADDR``/``MASTER_PORT``.
-3. SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, the tasks on this
-   node from ``SLURM_STEP_TASKS_PER_NODE`` (or ``SLURM_TASKS_PER_NODE``) and ``SLURM_NODEID``;
-   ``MASTER_ADDR`` defaults to the first host of the step's node list.
+3. SLURM (``srun``): only inside a job *step*, recognised by the step variables
+   ``SLURM_STEP_NUM_TASKS`` / ``SLURM_STEP_TASKS_PER_NODE`` that srun sets. The world size is
+   ``SLURM_STEP_NUM_TASKS`` (else the sum of ``SLURM_STEP_TASKS_PER_NODE``), the rank
+   ``SLURM_PROCID``, the local rank ``SLURM_LOCALID``, the tasks on this node come from
+   ``SLURM_STEP_TASKS_PER_NODE`` and ``SLURM_NODEID``; ``MASTER_ADDR`` defaults to the first
+   host of the step's node list and ``MASTER_PORT`` to ``10000 + SLURM_JOB_ID % 20000``, so
+   two jobs sharing a node do not collide. A python started directly in an ``sbatch`` script
+   (the batch step: ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS``, but no step variables)
+   is *not* a SLURM rank: it is a world of one, instead of waiting for peers that never come.
 
 With none of them the process is a world of one. Defaults for the rendezvous, applied by
 `rendezvous_address`: ``MASTER_ADDR`` is ``127.0.0.1`` when the whole world runs on one
@@ -28,7 +34,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Literal
 
-from deepshard.interface.errors import ConfigError
+from deepshard.interface.errors import CommError, ConfigError
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
@@ -133,35 +139,54 @@ def _from_openmpi(env: Mapping[str, str]) -> LaunchEnv:
     return LaunchEnv(rank, world, local_rank, local_world, _addr(env), _port(env), "openmpi")
 
 
-def _slurm_local_world(env: Mapping[str, str]) -> int:
-    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
-        if name in env:
-            counts = parse_tasks_per_node(env[name], variable=name)
-            node = _optional_int(env, "SLURM_NODEID", 0)
-            if node >= len(counts):
-                raise ConfigError(f"SLURM_NODEID={node} but {name}={env[name]!r} lists fewer nodes")
-            return counts[node]
-    if "SLURM_NTASKS_PER_NODE" in env:
-        return _int(env, "SLURM_NTASKS_PER_NODE", minimum=1)
-    raise ConfigError(
-        "environment variable SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE) is not set; "
-        "start the ranks with srun"
-    )
+_SLURM_STEP_VARIABLES = ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE")
+_SLURM_PORT_BASE, _SLURM_PORT_SPAN = 10000, 20000
+
+
+def _slurm_step_counts(env: Mapping[str, str]) -> list[int] | None:
+    name = "SLURM_STEP_TASKS_PER_NODE"
+    return parse_tasks_per_node(env[name], variable=name) if name in env else None
+
+
+def _slurm_local_world(env: Mapping[str, str], counts: list[int] | None, world: int) -> int:
+    if counts is None:  # srun gave the task count but not its layout: one node
+        return world
+    node = _optional_int(env, "SLURM_NODEID", 0)
+    if node >= len(counts):
+        raise ConfigError(
+            f"SLURM_NODEID={node} but SLURM_STEP_TASKS_PER_NODE="
+            f"{env['SLURM_STEP_TASKS_PER_NODE']!r} lists fewer nodes"
+        )
+    return counts[node]
+
+
+def _slurm_port(env: Mapping[str, str]) -> int | None:
+    """``MASTER_PORT`` if set, else one derived from ``SLURM_JOB_ID`` (unique per job)."""
+    port = _port(env)
+    if port is None and "SLURM_JOB_ID" in env:
+        port = _SLURM_PORT_BASE + _int(env, "SLURM_JOB_ID") % _SLURM_PORT_SPAN
+    return port
 
 
 def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
+    counts = _slurm_step_counts(env)
+    if "SLURM_STEP_NUM_TASKS" in env or counts is None:
+        world = _int(env, "SLURM_STEP_NUM_TASKS", minimum=1)
+    else:
+        world = sum(counts)
     rank = _int(env, "SLURM_PROCID")
-    world = _int(env, "SLURM_NTASKS", minimum=1)
     local_rank = _int(env, "SLURM_LOCALID")
-    local_world = _slurm_local_world(env)
-    _check_place(rank, world, local_rank, local_world, "SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID")
+    local_world = _slurm_local_world(env, counts, world)
+    _check_place(
+        rank, world, local_rank, local_world, "SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID"
+    )
     addr = _addr(env)
     if addr is None:
         for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
             if env.get(name, "").strip():
                 addr = parse_hostlist(env[name], variable=name)[0]
                 break
-    return LaunchEnv(rank, world, local_rank, local_world, addr, _port(env), "slurm")
+    return LaunchEnv(rank, world, local_rank, local_world, addr, _slurm_port(env), "slurm")
 
 
 def read_launch_env(env: Mapping[str, str]) -> LaunchEnv:
@@ -174,17 +199,24 @@ def read_launch_env(env: Mapping[str, str]) -> LaunchEnv:
         return _from_torchrun(env)
     if "OMPI_COMM_WORLD_RANK" in env:
         return _from_openmpi(env)
-    if "SLURM_PROCID" in env:
+    if "SLURM_PROCID" in env and any(name in env for name in _SLURM_STEP_VARIABLES):
         return _from_slurm(env)
+    # No launcher, or SLURM's batch step (the sbatch script itself): a world of one.
     return LaunchEnv(0, 1, 0, 1, _addr(env), _port(env), "none")
 
 
 def _free_port(host: str) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port: int = probe.getsockname()[1]
+            return port
+    except OSError as error:
+        raise CommError(
+            f"a world of one serves its own rendezvous, but MASTER_ADDR={host!r} is not an "
+            f"address of this host ({error}); unset MASTER_ADDR, or set MASTER_PORT as well"
+        ) from error
 
 
 def rendezvous_address(launch: LaunchEnv) -> tuple[str, int]:
@@ -192,6 +224,7 @@ def rendezvous_address(launch: LaunchEnv) -> tuple[str, int]:
 
     Raises:
         ConfigError: Several nodes take part and no ``MASTER_ADDR`` is known.
+        CommError: A world of one without ``MASTER_PORT`` whose ``MASTER_ADDR`` is not local.
     """
     addr = launch.master_addr
     if addr is None:

@@ -56,15 +56,17 @@ def a2a_output_rows(
     """Rows of the output an all-to-all receives, when the caller did not give an output.
 
     Raises:
-        CommError: If uneven input splits come without the output splits needed to size it.
+        CommError: If uneven input splits come without the output splits needed to size it, or
+            the output splits have the wrong length or a negative entry.
     """
     if output_split_sizes is not None:
-        if len(output_split_sizes) != group_size:
+        splits = [int(s) for s in output_split_sizes]
+        if len(splits) != group_size or any(s < 0 for s in splits):
             raise CommError(
-                f"output_split_sizes must have one entry per group rank ({group_size}), got "
-                f"{list(output_split_sizes)}."
+                f"output_split_sizes must have one non-negative entry per group rank "
+                f"({group_size}), got {splits}."
             )
-        return int(sum(output_split_sizes))
+        return sum(splits)
     if input_split_sizes is not None:
         raise CommError(
             "all_to_all with input_split_sizes but no output_split_sizes cannot size its output; "

@@ -6,12 +6,22 @@ from dataclasses import dataclass
 
 __all__ = ["CallStats", "format_bytes", "format_table"]
 
-_HEADER = ("op", "log name", "size", "count", "total ms", "avg ms", "algbw GB/s", "busbw GB/s")
+_HEADER = (
+    "op",
+    "log name",
+    "size",
+    "ranks",
+    "count",
+    "total ms",
+    "avg ms",
+    "algbw GB/s",
+    "busbw GB/s",
+)
 
 
 @dataclass
 class CallStats:
-    """Running totals of the calls sharing one (op, log name, message size)."""
+    """Running totals of the calls sharing one (op, log name, message size, group size)."""
 
     count: int = 0
     total_latency_s: float = 0.0
@@ -40,8 +50,8 @@ def format_bytes(n: int) -> str:
     return f"{value:.2f} {unit}"
 
 
-def format_table(stats: dict[tuple[str, str, int], CallStats]) -> str:
-    """The summary as an aligned text table, one row per (op, log name, size), sorted.
+def format_table(stats: dict[tuple[str, str, int, int], CallStats]) -> str:
+    """The summary as a text table, one row per (op, log name, size, group size), sorted.
 
     Notes of rows that used a fallback bandwidth factor follow the table.
     """
@@ -49,12 +59,13 @@ def format_table(stats: dict[tuple[str, str, int], CallStats]) -> str:
         return "comms logger: no calls logged"
     rows = []
     notes = []
-    for (op, log_name, msg_bytes), s in sorted(stats.items()):
+    for (op, log_name, msg_bytes, world_size), s in sorted(stats.items()):
         rows.append(
             (
                 op,
                 log_name,
                 format_bytes(msg_bytes),
+                str(world_size),
                 str(s.count),
                 f"{s.total_latency_s * 1e3:.3f}",
                 f"{s.total_latency_s * 1e3 / s.count:.3f}",

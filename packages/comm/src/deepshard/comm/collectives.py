@@ -17,7 +17,7 @@ Ranks such as `group_src` are ranks *within the group*, not global ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from deepshard.comm._groups import (
     Group,
     ReduceOpLike,
+    barrier_device_ids,
     check_avg_dtype,
     check_output,
     has_native_avg,
@@ -32,6 +33,7 @@ from deepshard.comm._groups import (
     resolve_reduce_op,
 )
 from deepshard.comm._handles import CommHandle
+from deepshard.comm._issue import divide_by, flat_view, issue
 from deepshard.comm._splits import a2a_output_rows, check_split_sizes
 from deepshard.comm.logger import CommsLogger
 from deepshard.interface.errors import CommError
@@ -44,39 +46,6 @@ __all__ = [
     "broadcast",
     "reduce_scatter_tensor",
 ]
-
-_Launch = Callable[[bool], "dist.Work | None"]
-
-
-def _issue(
-    op_name: str,
-    *,
-    pg: dist.ProcessGroup,
-    launch: _Launch,
-    output: torch.Tensor | None,
-    msg_bytes: int,
-    device: torch.device | None,
-    async_op: bool,
-    logger: CommsLogger | None,
-    log_name: str | None,
-    after: Callable[[], None] | None = None,
-) -> CommHandle[torch.Tensor | None]:
-    """Time (if logged), launch, and wrap one collective in a handle."""
-    timing = None
-    if logger is not None:
-        timing = logger.start(
-            op_name, msg_bytes=msg_bytes, world_size=pg.size(), log_name=log_name, device=device
-        )
-    work = launch(async_op)
-
-    def on_complete() -> None:
-        if after is not None:
-            after()
-        if timing is not None:
-            assert logger is not None
-            logger.stop(timing)
-
-    return CommHandle(output, work=work if async_op else None, on_complete=on_complete)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -115,8 +84,8 @@ def all_reduce(
         check_avg_dtype(tensor)
         if not has_native_avg(pg):
             red = dist.ReduceOp.SUM
-            after = _divide_by(tensor, pg.size())
-    handle = _issue(
+            after = divide_by(tensor, pg.size())
+    handle = issue(
         "all_reduce",
         pg=pg,
         launch=lambda a: dist.all_reduce(tensor, op=red, group=pg, async_op=a),
@@ -145,8 +114,9 @@ def all_gather_into_tensor(
     Args:
         input: This rank's shard; the same shape on every rank.
         group: A ProcessGroup or a 1-D DeviceMesh.
-        output: Where to gather, with `group size x input.numel()` elements; allocated with shape
-            `(size * input.shape[0], *input.shape[1:])` (`(size,)` for a 0-d input) when `None`.
+        output: Where to gather: shape `(size * input.shape[0], *input.shape[1:])`
+            (concatenated, allocated when `None`) or `(size, *input.shape)` (stacked); `(size,)`
+            for a 0-d input.
         async_op: Return before completion.
         logger: Records the call (bytes = the full gathered output, as nccl-tests counts).
         log_name: Name in the logger; `"all_gather_into_tensor"` when `None`.
@@ -159,16 +129,23 @@ def all_gather_into_tensor(
     """
     pg = resolve_group(group)
     size = pg.size()
+    if input.dim() == 0:
+        shapes: list[tuple[int, ...]] = [(size,)]
+    else:  # concatenated along dim 0, or stacked along a new dim 0 (torch accepts both)
+        shapes = [(size * input.shape[0], *input.shape[1:]), (size, *input.shape)]
     if output is None:
-        shape = (size * input.shape[0], *input.shape[1:]) if input.dim() > 0 else (size,)
-        output = input.new_empty(shape)
+        output = input.new_empty(shapes[0])
     else:
-        check_output(output, input, expected_numel=size * input.numel(), what="gathered output")
+        check_output(output, input, accepted_shapes=shapes, what="gathered output")
     out = output
-    handle = _issue(
+    # Backends (gloo) refuse a 0-d input; as a 1-element tensor it gathers into (size,).
+    shard = input.reshape(1) if input.dim() == 0 else input
+    # gloo takes only the concatenated shape; a contiguous stacked output has the same layout.
+    target = out if tuple(out.shape) == shapes[0] else flat_view(out, shapes[0])
+    handle = issue(
         "all_gather_into_tensor",
         pg=pg,
-        launch=lambda a: dist.all_gather_into_tensor(out, input, group=pg, async_op=a),
+        launch=lambda a: dist.all_gather_into_tensor(target, shard, group=pg, async_op=a),
         output=out,
         msg_bytes=_nbytes(out),
         device=input.device,
@@ -195,7 +172,8 @@ def reduce_scatter_tensor(
         input: The full tensor on every rank; `input.shape[0]` must divide by the group size.
         group: A ProcessGroup or a 1-D DeviceMesh.
         op: `"sum"`, `"avg"`, `"max"`, `"min"`, `"product"` or a `ReduceOp`.
-        output: Where this rank's chunk goes; allocated when `None`.
+        output: Where this rank's chunk goes, shape `(input.shape[0] // size, *input.shape[1:])`;
+            allocated when `None`.
         async_op: Return before completion.
         logger: Records the call (bytes = the full input, as nccl-tests counts).
         log_name: Name in the logger; `"reduce_scatter_tensor"` when `None`.
@@ -214,10 +192,11 @@ def reduce_scatter_tensor(
             f"reduce_scatter_tensor needs input dim 0 divisible by the group size {size}, got "
             f"shape {tuple(input.shape)}; pad the input along dim 0."
         )
+    chunk_shape = (input.shape[0] // size, *input.shape[1:])
     if output is None:
-        output = input.new_empty((input.shape[0] // size, *input.shape[1:]))
+        output = input.new_empty(chunk_shape)
     else:
-        check_output(output, input, expected_numel=input.numel() // size, what="scattered chunk")
+        check_output(output, input, accepted_shapes=[chunk_shape], what="scattered chunk")
     out = output
     red = resolve_reduce_op(op)
     after = None
@@ -225,8 +204,8 @@ def reduce_scatter_tensor(
         check_avg_dtype(input)
         if not has_native_avg(pg):
             red = dist.ReduceOp.SUM
-            after = _divide_by(out, size)
-    handle = _issue(
+            after = divide_by(out, size)
+    handle = issue(
         "reduce_scatter_tensor",
         pg=pg,
         launch=lambda a: dist.reduce_scatter_tensor(out, input, op=red, group=pg, async_op=a),
@@ -284,7 +263,7 @@ def all_to_all_single(
         output = input.new_empty((rows, *input.shape[1:]))
     out_splits = check_split_sizes(output_split_sizes, size, output, "output_split_sizes")
     out = output
-    handle = _issue(
+    handle = issue(
         "all_to_all_single",
         pg=pg,
         launch=lambda a: dist.all_to_all_single(
@@ -332,7 +311,7 @@ def broadcast(
             "rank within the group (0 .. size-1), not a global rank."
         )
     src = dist.get_global_rank(pg, group_src)
-    handle = _issue(
+    handle = issue(
         "broadcast",
         pg=pg,
         launch=lambda a: dist.broadcast(tensor, src=src, group=pg, async_op=a),
@@ -369,7 +348,7 @@ def barrier(
     """
     pg = resolve_group(group)
     ids = barrier_device_ids(dist.get_backend(pg), device_ids)
-    handle = _issue(
+    handle = issue(
         "barrier",
         pg=pg,
         launch=lambda a: dist.barrier(group=pg, async_op=a, device_ids=ids),
@@ -381,19 +360,3 @@ def barrier(
         log_name=log_name,
     )
     return handle  # type: ignore[return-value]
-
-
-def barrier_device_ids(backend: str, device_ids: Sequence[int] | None) -> list[int] | None:
-    """The `device_ids` to hand `dist.barrier` on `backend`: forwarded to nccl only."""
-    if device_ids is not None and backend == "nccl":
-        return list(device_ids)
-    return None
-
-
-def _divide_by(tensor: torch.Tensor, divisor: int) -> Callable[[], None]:
-    """The follow-up step that turns an emulated average's sum into the mean."""
-
-    def divide() -> None:
-        tensor.div_(divisor)
-
-    return divide

@@ -3,9 +3,11 @@
 A `CommsLogger` is an ordinary object passed to the collectives (`logger=`); there is no
 global instance. Per call it records the op, the log name (the op's own name unless the caller gave
 one), the message bytes, and the latency of *that call alone*: the clock starts when the call is
-issued and stops when it completes (for an async call, at the first `wait()` on its handle). On an
-accelerator the device is synchronized before the clock starts and before it stops, so queued
-kernels are not charged to the collective; on CPU nothing needs synchronizing. Bandwidths follow
+issued and stops when it completes. For an async call on the host (gloo) the stop is taken by the
+backend's completion callback, so work the caller does before `wait()` is not counted. On an
+accelerator the device is synchronized before the clock starts and before it stops (for an async
+call, at the first `wait()`: accelerator futures complete when kernels are queued, so they cannot
+date the completion), so queued kernels are not charged to the collective. Bandwidths follow
 nccl-tests (see `deepshard.comm._bandwidth`).
 
 When the config says `enabled: false` the logger does nothing at all: no clock, no synchronize,
@@ -23,7 +25,6 @@ from dataclasses import dataclass
 from typing import TextIO
 
 import torch
-import torch.distributed as dist
 
 from deepshard.comm._bandwidth import bandwidth
 from deepshard.comm._summary import CallStats, format_bytes, format_table
@@ -65,6 +66,7 @@ class CommTiming:
     world_size: int
     device: torch.device | None
     start_s: float
+    group_rank: int | None = None
 
 
 def _default_synchronize(device: torch.device | None) -> None:
@@ -94,8 +96,9 @@ class CommsLogger:
         synchronize: Called with the tensor's device before the clock starts and stops. Defaults
             to the device's accelerator synchronize (a no-op on CPU).
         clock: Monotonic seconds; `time.perf_counter` by default.
-        rank: This process's rank, which decides who prints verbose lines (rank 0). Defaults to
-            the global rank when `torch.distributed` is initialized, else 0.
+        rank: This process's rank, which decides who prints verbose lines (rank 0). When
+            `None`, each call's rank within the group it ran on decides (rank 0 of every group
+            prints that group's calls); `verbose` calls with neither are refused.
         stream: Where verbose lines go; `sys.stdout` (at print time) when `None`.
         max_records: Most recent per-call records kept in `records`. The summary counts
             every call regardless.
@@ -122,7 +125,7 @@ class CommsLogger:
         self._rank = rank
         self._stream = stream
         self._records: deque[CommRecord] = deque(maxlen=max_records)
-        self._stats: dict[tuple[str, str, int], CallStats] = {}
+        self._stats: dict[tuple[str, str, int, int], CallStats] = {}
 
     @property
     def config(self) -> CommsLoggerConfig:
@@ -166,6 +169,7 @@ class CommsLogger:
         world_size: int,
         log_name: str | None = None,
         device: torch.device | None = None,
+        group_rank: int | None = None,
     ) -> CommTiming | None:
         """Start the clock for one call about to be issued.
 
@@ -175,31 +179,54 @@ class CommsLogger:
             world_size: Ranks in the group.
             log_name: The caller's name for the call; defaults to `op`.
             device: The tensors' device, synchronized before the clock starts.
+            group_rank: This process's rank in the group the call runs on (decides, with
+                `verbose` and no logger `rank`, whether the call is printed).
 
         Returns:
             The running timing to pass to `stop`, or `None` when this call is not logged
             (then nothing was synchronized or timed).
+
+        Raises:
+            ConfigError: `verbose` is on and neither the logger nor the call gives a rank.
         """
         if not self.wants(op, log_name):
             return None
+        self._check_print_rank(group_rank)
         name = log_name if log_name is not None else op
         if self._config.debug:
             name = f"{name} | {_caller_name()}"
         self._synchronize(device)
-        return CommTiming(op, name, msg_bytes, world_size, device, self._clock())
+        return CommTiming(op, name, msg_bytes, world_size, device, self._clock(), group_rank)
 
-    def stop(self, timing: CommTiming) -> CommRecord:
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock latencies are measured with (read it for `stop(end_s=...)`)."""
+        return self._clock
+
+    def stop(self, timing: CommTiming, *, end_s: float | None = None) -> CommRecord:
         """Stop the clock of a completed call and record it.
 
         Args:
             timing: What `start` returned for the call.
+            end_s: The `clock` reading when the call completed, if it was taken already (an
+                async call's completion callback); then nothing is synchronized. `None` reads
+                the clock now, after synchronizing the device.
 
         Returns:
             The new record.
         """
-        self._synchronize(timing.device)
-        latency_s = self._clock() - timing.start_s
-        return self._add(timing.op, timing.log_name, timing.msg_bytes, latency_s, timing.world_size)
+        if end_s is None:
+            self._synchronize(timing.device)
+            end_s = self._clock()
+        latency_s = end_s - timing.start_s
+        return self._add(
+            timing.op,
+            timing.log_name,
+            timing.msg_bytes,
+            latency_s,
+            timing.world_size,
+            timing.group_rank,
+        )
 
     def record(
         self,
@@ -209,39 +236,61 @@ class CommsLogger:
         latency_s: float,
         world_size: int,
         log_name: str | None = None,
+        group_rank: int | None = None,
     ) -> CommRecord | None:
         """Record a call timed elsewhere (e.g. a custom collective); any op name is accepted.
 
+        Args:
+            op: The collective's name.
+            msg_bytes: Bytes counted for the call.
+            latency_s: Its latency in seconds.
+            world_size: Ranks in the group.
+            log_name: The caller's name for the call; defaults to `op`.
+            group_rank: This process's rank in the call's group (see `start`).
+
         Returns:
             The record, or `None` when the config filters this call out.
+
+        Raises:
+            ConfigError: `verbose` is on and neither the logger nor the call gives a rank.
         """
         if not self.wants(op, log_name):
             return None
-        return self._add(
-            op, log_name if log_name is not None else op, msg_bytes, latency_s, world_size
-        )
+        self._check_print_rank(group_rank)
+        name = log_name if log_name is not None else op
+        return self._add(op, name, msg_bytes, latency_s, world_size, group_rank)
+
+    def _check_print_rank(self, group_rank: int | None) -> None:
+        if self._config.verbose and self._rank is None and group_rank is None:
+            raise ConfigError(
+                "comms_logger.verbose prints on rank 0 only, but this call names no rank: pass "
+                "rank= to CommsLogger (or group_rank= to start/record)."
+            )
 
     def _add(
-        self, op: str, log_name: str, msg_bytes: int, latency_s: float, world_size: int
+        self,
+        op: str,
+        log_name: str,
+        msg_bytes: int,
+        latency_s: float,
+        world_size: int,
+        group_rank: int | None,
     ) -> CommRecord:
         bw = bandwidth(op, msg_bytes, latency_s, world_size)
         rec = CommRecord(
             op, log_name, msg_bytes, latency_s, world_size, bw.algbw, bw.busbw, bw.note
         )
         self._records.append(rec)
-        key = (op, log_name, msg_bytes)
+        # Groups of different sizes have different bus-bandwidth factors: separate rows.
+        key = (op, log_name, msg_bytes, world_size)
         self._stats.setdefault(key, CallStats()).add(latency_s, bw.algbw, bw.busbw, bw.note)
-        if self._config.verbose and self._print_rank() == 0:
+        rank = self._rank if self._rank is not None else group_rank
+        if self._config.verbose and rank == 0:
             print(_verbose_line(rec), file=self._stream or sys.stdout, flush=True)
         return rec
 
-    def _print_rank(self) -> int:
-        if self._rank is not None:
-            return self._rank
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
     def summary(self) -> str:
-        """The table of logged calls per op, log name and message size.
+        """The table of logged calls per op, log name, message size and group size.
 
         Columns: count, total and average latency, and the average algorithmic and bus
         bandwidth of the calls in the row.

@@ -3,8 +3,12 @@
 The mesh always has all five axes of ``Topology.AXES`` (``pp, dp, ep, sp, tp``, outermost first),
 size-1 axes included, so that code can ask for ``mesh["tp"]`` whatever the layout. PyTorch's
 ``init_device_mesh`` creates the per-axis process groups; DeepShard only checks the world size
-and gives every new group a timeout. (``new_group`` would otherwise fall back to PyTorch's
-30-minute default instead of the timeout the default process group was created with.)
+and gives every new group a timeout through the backend's group options (``new_group`` would
+otherwise fall back to PyTorch's own default instead of the timeout the default process group
+was created with). ``init_device_mesh`` takes no other way to pass a timeout, so when the
+options cannot carry it (a backend without such options, e.g. mpi, or a default group whose
+timeout cannot be read) `build_mesh` raises `CommError` rather than silently creating groups
+with PyTorch's default. The in-process ``fake`` test backend never waits and is exempt.
 """
 
 from __future__ import annotations
@@ -50,28 +54,44 @@ def _default_group_timeout(device_type: str) -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else None
 
 
+# Backends whose groups never wait on peers, so a timeout means nothing (testing only).
+_NO_WAIT_BACKENDS = frozenset({"fake"})
+
+
 def _group_options(backend: str, timeout: timedelta) -> Any | None:
     """Backend options carrying ``timeout``, or ``None`` for a backend we cannot configure."""
     if backend == "gloo":
         options: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
-        options = dist.ProcessGroupNCCL.Options()
+    elif backend in ("nccl", "xccl") and hasattr(dist, f"ProcessGroup{backend.upper()}"):
+        options = getattr(dist, f"ProcessGroup{backend.upper()}").Options()
     else:
         return None
     options._timeout = timeout
     return options
 
 
+def _no_timeout_error(backend: str, reason: str) -> CommError:
+    return CommError(
+        f"build_mesh cannot give the {backend!r} axis groups a timeout: {reason}, and PyTorch "
+        "would silently use its own default instead. Use a backend whose groups take a timeout "
+        "(gloo, nccl, xccl), or create the mesh yourself with "
+        "torch.distributed.device_mesh.init_device_mesh if PyTorch's default is acceptable."
+    )
+
+
 def _timeout_overrides(
     topology: Topology, device_type: str, timeout: timedelta | None
 ) -> dict[int | str, Any] | None:
+    backend = _backend_for(device_type)
+    if backend in _NO_WAIT_BACKENDS:
+        return None
     default_timeout = _default_group_timeout(device_type)
     wanted = timeout if timeout is not None else default_timeout
     if wanted is None:
-        return None
-    options = _group_options(_backend_for(device_type), wanted)
+        raise _no_timeout_error(backend, "the default group's timeout cannot be read")
+    options = _group_options(backend, wanted)
     if options is None:
-        return None
+        raise _no_timeout_error(backend, "its groups take no timeout options")
     world_size = topology.world_size
     # An axis spanning the whole world reuses the default group, which already has the
     # timeout, unless the caller asked for a different one.
@@ -100,7 +120,8 @@ def build_mesh(
         ``mesh.get_group("dp")`` is this rank's data-parallel group.
 
     Raises:
-        CommError: No default process group is initialised.
+        CommError: No default process group is initialised, or the axis groups' backend
+            cannot be given the timeout (see the module docstring).
         TopologyError: ``topology.world_size`` differs from the process group's world size.
     """
     if not dist.is_initialized():

@@ -210,9 +210,15 @@ class ShardMap:
     ) -> ShardMap:
         """Rank ``r`` of ``world_size`` holds the ``r``-th of equal slices along ``dim``.
 
-        This is tensor parallelism's column or row split. ``global_shape[dim]`` must divide.
+        This is tensor parallelism's column or row split. ``global_shape[dim]`` must divide;
+        a negative ``dim`` counts from the end, as in torch.
         """
         shape = tuple(global_shape)
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise CheckpointError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not -len(shape) <= dim < len(shape):
+            raise CheckpointError(f"dim {dim} is out of range for a tensor of shape {shape}")
+        dim %= len(shape)
         if shape[dim] % world_size:
             raise CheckpointError(
                 f"dimension {dim} of size {shape[dim]} does not split evenly "

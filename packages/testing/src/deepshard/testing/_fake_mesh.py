@@ -39,6 +39,8 @@ def fake_mesh(topology: Topology, rank: int) -> Iterator[DeviceMesh]:
         CommError: A default process group already exists in this process.
     """
     import torch.distributed as dist
+
+    # Importing this module registers the "fake" backend; torch has no public spelling of it.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from deepshard.comm import build_mesh

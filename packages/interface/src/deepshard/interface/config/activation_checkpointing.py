@@ -24,7 +24,9 @@ class ActivationCheckpointingConfig(ConfigModel):
     """Copy checkpointed activations into one preallocated buffer (less fragmentation)."""
 
     number_checkpoints: int | None = Field(None, ge=1)
-    """Checkpoints per forward, sizing the contiguous buffer; None if not known ahead."""
+    """Checkpoints per forward, sizing the contiguous buffer; None if not known ahead.
+    Deliberate deviation: DeepSpeed sets no bound; DeepShard refuses values below 1, which would
+    size a buffer with no slot."""
 
     synchronize_checkpoint_boundary: bool = False
     """Synchronise the device at each checkpoint boundary (for debugging and timing)."""

@@ -21,7 +21,8 @@ class TensorBoardConfig(ConfigModel):
     """Directory for the event files; empty means the launch directory."""
 
     job_name: str = "DeepShardJobName"
-    """Sub-directory of ``output_path`` for this run."""
+    """Sub-directory of ``output_path`` for this run. Deliberate deviation: DeepSpeed's default
+    is ``"DeepSpeedJobName"``."""
 
 
 class WandbConfig(ConfigModel):
@@ -39,7 +40,7 @@ class WandbConfig(ConfigModel):
     """W&B team (entity)."""
 
     project: str = "deepshard"
-    """W&B project."""
+    """W&B project. Deliberate deviation: DeepSpeed's default is ``"deepspeed"``."""
 
 
 class CsvMonitorConfig(ConfigModel):
@@ -54,7 +55,8 @@ class CsvMonitorConfig(ConfigModel):
     """Directory for the CSV files; empty means the launch directory."""
 
     job_name: str = "DeepShardJobName"
-    """Sub-directory of ``output_path`` for this run."""
+    """Sub-directory of ``output_path`` for this run. Deliberate deviation: DeepSpeed's default
+    is ``"DeepSpeedJobName"``."""
 
 
 class CometConfig(ConfigModel):
@@ -66,7 +68,8 @@ class CometConfig(ConfigModel):
     """Log scalars to a Comet experiment."""
 
     samples_log_interval: int = Field(100, ge=1)
-    """Send metrics every this many samples."""
+    """Send metrics every this many samples. Deliberate deviation: DeepSpeed sets no bound, but
+    an interval below 1 cannot schedule any send, so DeepShard refuses it."""
 
     project: str | None = None
     """Comet project; None falls back to Comet's own configuration (COMET_PROJECT_NAME)."""

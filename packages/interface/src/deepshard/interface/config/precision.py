@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from deepshard.interface.config._base import ConfigModel, raw_problems_error
 from deepshard.interface.config._dtypes import DtypeName, normalize_dtype
@@ -30,27 +30,57 @@ class Fp16Config(ConfigModel):
     initial_scale_power: int = Field(16, ge=0)
     """Dynamic scaling starts at ``2 ** initial_scale_power``."""
 
-    loss_scale_window: int = Field(1000, gt=0)
-    """Overflow-free steps after which the dynamic scale is doubled."""
+    loss_scale_window: int = 1000
+    """Overflow-free steps after which the dynamic scale is doubled. Must be positive when
+    dynamic scaling is on (``enabled`` and ``loss_scale == 0``); unchecked otherwise, as in
+    DeepSpeed, because it is then unused."""
 
-    hysteresis: int = Field(2, ge=1)
-    """Overflows tolerated before the dynamic scale is halved (delayed shift)."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale is halved (delayed shift). Deliberate
+    deviation: DeepSpeed sets no bound, but with dynamic scaling on a value below 1 means the
+    scale is never lowered on overflow (every later step is skipped), so DeepShard refuses it
+    then; unchecked while dynamic scaling is off."""
 
     consecutive_hysteresis: bool = False
     """Refill the hysteresis budget after every overflow-free step, not only at window ends."""
 
-    min_loss_scale: float = Field(1.0, gt=0.0)
-    """Floor of the dynamic loss scale."""
+    min_loss_scale: int | float = 1
+    """Floor of the dynamic loss scale. DeepSpeed types it int; DeepShard accepts a fraction too
+    (e.g. ``0.5``). Must be positive when dynamic scaling is on; unchecked otherwise."""
 
     fp16_master_weights_and_grads: bool = False
     """Keep master weights and gradients in fp16 (needs ZeRO stage 1-3 and a CPU optimizer)."""
 
-    @field_validator("loss_scale")
+    @field_validator("loss_scale", "min_loss_scale")
     @classmethod
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
             raise raw_problems_error([("", f"must be a finite number; got {value}")])
         return value
+
+    @model_validator(mode="after")
+    def _dynamic_scaling_bounds(self) -> Fp16Config:
+        if not (self.enabled and self.dynamic_loss_scale):
+            return self
+        why = "with dynamic loss scaling on (enabled, loss_scale 0)"
+        problems: list[tuple[str, str]] = []
+        if self.loss_scale_window <= 0:
+            problems.append(
+                ("loss_scale_window", f"must be > 0 {why}; got {self.loss_scale_window}")
+            )
+        if self.min_loss_scale <= 0:
+            problems.append(("min_loss_scale", f"must be > 0 {why}; got {self.min_loss_scale}"))
+        if self.hysteresis < 1:
+            problems.append(
+                (
+                    "hysteresis",
+                    f"must be >= 1 {why}, else the scale never drops on overflow; "
+                    f"got {self.hysteresis}",
+                )
+            )
+        if problems:
+            raise raw_problems_error(problems)
+        return self
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -111,8 +141,9 @@ class TorchAutocastConfig(ConfigModel):
     enabled: bool = False
     """Wrap the forward pass in ``torch.autocast`` on the training device."""
 
-    dtype: DtypeName = "bf16"
-    """Lower-precision dtype autocast uses."""
+    dtype: DtypeName | None = None
+    """Lower-precision dtype autocast uses; None lets ``torch.autocast`` pick the device's
+    default (float16 on CUDA, bfloat16 on CPU)."""
 
     lower_precision_safe_modules: list[str] | None = None
     """Fully qualified module classes whose parameters may be kept in the autocast dtype, e.g.

@@ -19,16 +19,19 @@ class FlopsProfilerConfig(ConfigModel):
 
     recompute_fwd_factor: float = Field(0.0, ge=0.0)
     """Extra forward passes per step from activation recomputation (0 none, 1 full), used to
-    count the FLOPs of recomputation."""
+    count the FLOPs of recomputation. Deliberate deviation: DeepSpeed sets no bound; a negative
+    factor would report negative FLOPs, so DeepShard refuses it."""
 
-    profile_step: int = Field(1, ge=1)
-    """Global step at which the profile is taken."""
+    profile_step: int = Field(1, ge=0)
+    """Global step (counted from 0, as in DeepSpeed) at which the profile is taken."""
 
     module_depth: int = Field(-1, ge=-1)
-    """Depth of the module tree printed; -1 prints every level."""
+    """Depth of the module tree printed; -1 prints every level. Deliberate deviation: DeepSpeed
+    sets no bound; DeepShard refuses depths below -1, which have no meaning."""
 
     top_modules: int = Field(1, ge=1)
-    """Modules listed per depth in the aggregated summary."""
+    """Modules listed per depth in the aggregated summary. Deliberate deviation: DeepSpeed sets
+    no bound; DeepShard refuses values below 1, which would list nothing."""
 
     detailed: bool = True
     """Print the per-module breakdown, not only the totals."""

@@ -167,8 +167,9 @@ class ZeroConfig(ConfigModel):
     parameter_alignment: bool = False
     """Stages 1-2: pad flat buffers so each parameter starts 16-byte aligned."""
 
-    zero_hpz_partition_size: int = Field(1, ge=1)
-    """ZeRO++ hierarchical partitioning: ranks in the secondary (intra-node) parameter group."""
+    zero_hpz_partition_size: int = Field(1, ge=0)
+    """ZeRO++ hierarchical partitioning: ranks in the secondary (intra-node) parameter group;
+    1 (or 0) turns hierarchical partitioning off."""
 
     zero_quantized_weights: bool = False
     """ZeRO++: quantize weights for the stage-3 all-gather."""

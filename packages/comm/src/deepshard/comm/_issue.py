@@ -1,0 +1,102 @@
+"""Launching one collective: the logger's clock, the backend call, and the handle around it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from deepshard.comm._handles import CommHandle
+from deepshard.comm.logger import CommsLogger
+from deepshard.interface.errors import CommError
+
+__all__ = ["divide_by", "flat_view", "issue"]
+
+_Launch = Callable[[bool], "dist.Work | None"]
+
+
+def issue(
+    op_name: str,
+    *,
+    pg: dist.ProcessGroup,
+    launch: _Launch,
+    output: torch.Tensor | None,
+    msg_bytes: int,
+    device: torch.device | None,
+    async_op: bool,
+    logger: CommsLogger | None,
+    log_name: str | None,
+    after: Callable[[], None] | None = None,
+) -> CommHandle[torch.Tensor | None]:
+    """Time (if logged), launch, and wrap one collective in a handle.
+
+    The logger's clock stops when the backend completes the call (an async call's future), not
+    when the caller gets round to `wait()`, and before the follow-up step `after` runs.
+    """
+    timing = None
+    if logger is not None:
+        timing = logger.start(
+            op_name,
+            msg_bytes=msg_bytes,
+            world_size=pg.size(),
+            log_name=log_name,
+            device=device,
+            group_rank=pg.rank(),
+        )
+    work = launch(async_op)
+    done_at = None
+    if timing is not None and async_op and work is not None:
+        assert logger is not None
+        done_at = _completion_time(work, logger.clock, device)
+
+    def on_complete() -> None:
+        if timing is not None:
+            assert logger is not None
+            logger.stop(timing, end_s=None if done_at is None else done_at.wait())
+        if after is not None:
+            after()
+
+    return CommHandle(output, work=work if async_op else None, on_complete=on_complete)
+
+
+def _completion_time(
+    work: dist.Work, clock: Callable[[], float], device: torch.device | None
+) -> torch.futures.Future[float] | None:
+    """A future of the clock's reading when `work` completed, where the backend can tell.
+
+    Only for host (CPU) work: an accelerator backend completes its future when the kernels
+    are queued, not run, so there the logger synchronizes at `wait()` instead (`None`).
+    """
+    if device is not None and device.type != "cpu":
+        return None
+    try:
+        future = work.get_future()
+    except (RuntimeError, AttributeError):  # a backend without futures (e.g. mpi)
+        return None
+    # `then` runs the callback once the work completes; waiting on the chained future also
+    # waits for the callback, which may run on the backend's thread after `work.wait()`.
+    return future.then(lambda _: clock())
+
+
+def flat_view(output: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`output` viewed as `shape`, sharing its memory.
+
+    Raises:
+        CommError: If `output` is not contiguous, so no such view exists.
+    """
+    if not output.is_contiguous():
+        raise CommError(
+            f"a stacked output of shape {tuple(output.shape)} must be contiguous; pass a "
+            "contiguous tensor (e.g. output.contiguous()) or output=None."
+        )
+    return output.view(shape)
+
+
+def divide_by(tensor: torch.Tensor, divisor: int) -> Callable[[], None]:
+    """The follow-up step that turns an emulated average's sum into the mean."""
+
+    def divide() -> None:
+        tensor.div_(divisor)
+
+    return divide

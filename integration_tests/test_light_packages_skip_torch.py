@@ -34,19 +34,25 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-@pytest.mark.parametrize("package", LIGHT_PACKAGES)
-def test_importing_light_package_leaves_torch_unloaded(package: str) -> None:
-    if not _installed(package):
-        pytest.skip(f"{package} is not part of the workspace yet")
+def _probe(package: str, *modules: str) -> dict[str, list[str]]:
+    """Import `package` in a fresh interpreter; report which of `modules` it loaded."""
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE, package, *HEAVY_MODULES],
+        [sys.executable, "-c", _PROBE, package, *modules],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report: dict[str, list[str]] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
+
+
+@pytest.mark.parametrize("package", LIGHT_PACKAGES)
+def test_importing_light_package_leaves_torch_unloaded(package: str) -> None:
+    if not _installed(package):
+        pytest.skip(f"{package} is not part of the workspace yet")
+    report = _probe(package, *HEAVY_MODULES)
     assert package in report["imported"]
     assert report["heavy"] == [], f"importing {package} pulled in {report['heavy']}"
 
@@ -54,13 +60,5 @@ def test_importing_light_package_leaves_torch_unloaded(package: str) -> None:
 def test_probe_detects_an_imported_dependency() -> None:
     # The probe itself must be able to fail: the interface is built on pydantic, so asking
     # about pydantic has to report it.
-    result = subprocess.run(
-        [sys.executable, "-c", _PROBE, "deepshard.interface", "pydantic"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = _probe("deepshard.interface", "pydantic")
     assert report["heavy"] == ["pydantic"]

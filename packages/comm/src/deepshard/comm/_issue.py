@@ -7,11 +7,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from deepshard.comm._groups import check_avg_dtype, has_native_avg
 from deepshard.comm._handles import CommHandle
 from deepshard.comm.logger import CommsLogger
 from deepshard.interface.errors import CommError
 
-__all__ = ["divide_by", "flat_view", "issue"]
+__all__ = ["flat_view", "issue", "plan_reduction"]
 
 _Launch = Callable[[bool], "dist.Work | None"]
 
@@ -93,10 +94,29 @@ def flat_view(output: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return output.view(shape)
 
 
-def divide_by(tensor: torch.Tensor, divisor: int) -> Callable[[], None]:
-    """The follow-up step that turns an emulated average's sum into the mean."""
+def plan_reduction(
+    red: dist.ReduceOp.RedOpType,
+    pg: dist.ProcessGroup,
+    *,
+    input: torch.Tensor,
+    output: torch.Tensor,
+) -> tuple[dist.ReduceOp.RedOpType, Callable[[], None] | None]:
+    """The op to hand the backend and the follow-up that completes it, if any.
+
+    An average on a backend without a native AVG runs as a sum; the follow-up divides `output`
+    by the group size once the sum has arrived.
+
+    Raises:
+        CommError: `"avg"` of a non-float `input`.
+    """
+    if red != dist.ReduceOp.AVG:
+        return red, None
+    check_avg_dtype(input)
+    if has_native_avg(pg):
+        return red, None
+    size = pg.size()
 
     def divide() -> None:
-        tensor.div_(divisor)
+        output.div_(size)
 
-    return divide
+    return dist.ReduceOp.SUM, divide

@@ -8,7 +8,21 @@ import torch
 
 from deepshard.interface.errors import CommError
 
-__all__ = ["a2a_output_rows", "check_split_sizes"]
+__all__ = ["a2a_output_rows", "check_split_sizes", "per_rank_splits"]
+
+
+def per_rank_splits(splits: Sequence[int], group_size: int, name: str) -> list[int]:
+    """`splits` as ints, one non-negative entry per group rank.
+
+    Raises:
+        CommError: On the wrong number of entries or a negative one.
+    """
+    out = [int(s) for s in splits]
+    if len(out) != group_size or any(s < 0 for s in out):
+        raise CommError(
+            f"{name} must have one non-negative entry per group rank ({group_size}), got {out}."
+        )
+    return out
 
 
 def check_split_sizes(
@@ -37,11 +51,7 @@ def check_split_sizes(
                 f"{group_size}; pass {name} for uneven parts."
             )
         return None
-    out = [int(s) for s in splits]
-    if len(out) != group_size or any(s < 0 for s in out):
-        raise CommError(
-            f"{name} must have one non-negative entry per group rank ({group_size}), got {out}."
-        )
+    out = per_rank_splits(splits, group_size, name)
     if sum(out) != rows:
         raise CommError(f"{name} {out} sums to {sum(out)} but the tensor has {rows} rows in dim 0.")
     return out
@@ -60,13 +70,7 @@ def a2a_output_rows(
             the output splits have the wrong length or a negative entry.
     """
     if output_split_sizes is not None:
-        splits = [int(s) for s in output_split_sizes]
-        if len(splits) != group_size or any(s < 0 for s in splits):
-            raise CommError(
-                f"output_split_sizes must have one non-negative entry per group rank "
-                f"({group_size}), got {splits}."
-            )
-        return sum(splits)
+        return sum(per_rank_splits(output_split_sizes, group_size, "output_split_sizes"))
     if input_split_sizes is not None:
         raise CommError(
             "all_to_all with input_split_sizes but no output_split_sizes cannot size its output; "

@@ -22,7 +22,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from deepshard.comm._groups import Group, resolve_group
-from deepshard.comm._splits import check_split_sizes
+from deepshard.comm._splits import check_split_sizes, per_rank_splits
 from deepshard.interface.errors import CommError
 
 __all__ = ["all_to_all_single_autograd"]
@@ -59,12 +59,7 @@ def all_to_all_single_autograd(
     in_splits = check_split_sizes(input_split_sizes, size, input, "input_split_sizes")
     out_splits = None
     if output_split_sizes is not None:
-        out_splits = [int(s) for s in output_split_sizes]
-        if len(out_splits) != size or any(s < 0 for s in out_splits):
-            raise CommError(
-                f"output_split_sizes must have one non-negative entry per group rank ({size}), "
-                f"got {out_splits}."
-            )
+        out_splits = per_rank_splits(output_split_sizes, size, "output_split_sizes")
     elif in_splits is not None:
         raise CommError(
             "all_to_all_single_autograd with input_split_sizes needs output_split_sizes (rows "

@@ -26,14 +26,12 @@ from deepshard.comm._groups import (
     Group,
     ReduceOpLike,
     barrier_device_ids,
-    check_avg_dtype,
     check_output,
-    has_native_avg,
     resolve_group,
     resolve_reduce_op,
 )
 from deepshard.comm._handles import CommHandle
-from deepshard.comm._issue import divide_by, flat_view, issue
+from deepshard.comm._issue import flat_view, issue, plan_reduction
 from deepshard.comm._splits import a2a_output_rows, check_split_sizes
 from deepshard.comm.logger import CommsLogger
 from deepshard.interface.errors import CommError
@@ -78,13 +76,7 @@ def all_reduce(
         CommError: On a bad group or op, or `"avg"` of a non-float tensor.
     """
     pg = resolve_group(group)
-    red = resolve_reduce_op(op)
-    after = None
-    if red == dist.ReduceOp.AVG:
-        check_avg_dtype(tensor)
-        if not has_native_avg(pg):
-            red = dist.ReduceOp.SUM
-            after = divide_by(tensor, pg.size())
+    red, after = plan_reduction(resolve_reduce_op(op), pg, input=tensor, output=tensor)
     handle = issue(
         "all_reduce",
         pg=pg,
@@ -198,13 +190,7 @@ def reduce_scatter_tensor(
     else:
         check_output(output, input, accepted_shapes=[chunk_shape], what="scattered chunk")
     out = output
-    red = resolve_reduce_op(op)
-    after = None
-    if red == dist.ReduceOp.AVG:
-        check_avg_dtype(input)
-        if not has_native_avg(pg):
-            red = dist.ReduceOp.SUM
-            after = divide_by(out, size)
+    red, after = plan_reduction(resolve_reduce_op(op), pg, input=input, output=out)
     handle = issue(
         "reduce_scatter_tensor",
         pg=pg,

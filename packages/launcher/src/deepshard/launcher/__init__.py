@@ -1,0 +1,3 @@
+"""The ``ds-launch`` launcher (scaffold)."""
+
+__all__: list[str] = []

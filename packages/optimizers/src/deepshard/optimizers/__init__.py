@@ -1,0 +1,3 @@
+"""Optimizers and LR schedules (scaffold)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""ZeRO (scaffold)."""
+
+__all__: list[str] = []

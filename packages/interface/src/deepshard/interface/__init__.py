@@ -13,6 +13,7 @@ from deepshard.interface.errors import (
     LaunchError,
     TopologyError,
 )
+from deepshard.interface.params import ParamShapes
 from deepshard.interface.shard_map import ShardMap, ShardPiece
 from deepshard.interface.topology import Topology
 
@@ -25,6 +26,7 @@ __all__ = [
     "DeepShardConfig",
     "DeepShardError",
     "LaunchError",
+    "ParamShapes",
     "ShardMap",
     "ShardPiece",
     "Topology",

@@ -1,8 +1,201 @@
-"""The ``ds-launch`` command line (scaffold)."""
+"""The ``ds-launch`` command line.
+
+Flags follow DeepSpeed's ``deepspeed`` launcher (``--hostfile``, ``--include``, ``--num_gpus``,
+``--launcher``, ...) and torchrun's (``--nproc_per_node``, ``--master_port``,
+``--max_restarts``, ``-m``). Only the standard library is imported until the arguments are
+parsed, so ``ds-launch --help`` answers at once; nothing here ever imports torch.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``ds-launch``."""
-    raise SystemExit("ds-launch: not built yet")
+if TYPE_CHECKING:
+    from deepshard.launcher._plan import LaunchOptions
+
+__all__ = ["build_parser", "main"]
+
+_EPILOG = """\
+examples:
+  ds-launch --nproc_per_node 4 train.py --lr 3e-4      4 ranks on this machine
+  ds-launch -m my_pkg.train                           a module, one rank per accelerator
+  ds-launch -H hostfile -i worker-0:0,1@worker-1 train.py
+  ds-launch -H hostfile --launcher slurm --dry_run train.py
+
+environment: remote nodes receive the variables starting with NCCL, PYTHON, UCX, MLFLOW, HF_,
+TORCH, DEEPSHARD and OMP_, VIRTUAL_ENV, and the KEY=VALUE lines of ~/.deepshard_env and
+./.deepshard_env. Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, LOCAL_SIZE,
+CROSS_RANK, CROSS_SIZE, MASTER_ADDR, MASTER_PORT, DEEPSHARD_RESTART_COUNT and, on GPU nodes,
+CUDA_VISIBLE_DEVICES narrowed to its node's slots.
+"""
+
+
+def _add_placement(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_argument_group("where the ranks run")
+    add = where.add_argument
+    add("-H", "--hostfile", help="'HOST slots=N' lines (default: /job/hostfile if it exists)")
+    add("-i", "--include", default="", help="only these hosts/slots: 'worker-0:0,2@worker-1'")
+    add("-e", "--exclude", default="", help="all but these hosts/slots")
+    add("--num_nodes", type=int, help="use the first N hosts")
+    add("--num_gpus", "--num_accelerators", type=int, help="use the first N slots of each host")
+    add(
+        "--nproc_per_node",
+        "--nproc-per-node",
+        type=int,
+        help="ranks per node (default: one per accelerator, or 1 on CPU)",
+    )
+    add(
+        "--no_ssh",
+        action="store_true",
+        help="start only this node's ranks (run ds-launch on every node)",
+    )
+    add("--node_rank", type=int, help="this node's position with --no_ssh")
+    rendezvous = parser.add_argument_group("rendezvous")
+    rendezvous.add_argument(
+        "--master_addr",
+        "--master-addr",
+        help="host of rank 0 (default: 127.0.0.1 or the first host)",
+    )
+    rendezvous.add_argument(
+        "--master_port",
+        "--master-port",
+        type=int,
+        help="port of rank 0 (default 29500; 0 or a busy port: a free one)",
+    )
+
+
+def _add_backend(parser: argparse.ArgumentParser) -> None:
+    backend = parser.add_argument_group("multi-node launcher")
+    add = backend.add_argument
+    add(
+        "--launcher",
+        type=str.lower,
+        choices=("ssh", "pdsh", "slurm", "openmpi", "torchrun"),
+        help="how other nodes are reached (default: ssh when the hostfile names other hosts)",
+    )
+    add("--launcher_args", default="", help="extra ssh/pdsh/srun/mpirun/torchrun arguments")
+    add("--ssh_port", type=int, help="ssh port of the remote nodes")
+    add("--venv_script", help="script sourced on remote nodes before starting")
+
+
+def _add_rank_options(parser: argparse.ArgumentParser) -> None:
+    ranks = parser.add_argument_group("the ranks")
+    add = ranks.add_argument
+    add("-m", "--module", action="store_true", help="run the script as a module (python -m)")
+    add("--no_python", action="store_true", help="execute the script itself, not with python")
+    add("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
+    add("--bind_cores_to_rank", action="store_true", help="pin each rank to its share of cores")
+    add("--bind_core_list", help="cores to share out, e.g. 0-15,32-47 (implies binding)")
+    add(
+        "--max_restarts",
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the whole job up to K times after a failure",
+    )
+    add("--log_dir", "--log-dir", help="write each rank's output to DIR/rank_<RANK>.log")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``ds-launch`` (standard library only)."""
+    parser = argparse.ArgumentParser(
+        prog="ds-launch",
+        description="Start a DeepShard (or any torch.distributed) job on this machine or many.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_placement(parser)
+    _add_backend(parser)
+    _add_rank_options(parser)
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="print each node's ranks, slots and commands, and start nothing",
+    )
+    parser.add_argument("user_script", help="the training script (or module with -m)")
+    parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return parser
+
+
+def _check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.max_restarts < 0:
+        parser.error(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    if args.ssh_port is not None and not 1 <= args.ssh_port <= 65535:
+        parser.error(f"--ssh_port must be a port (1-65535), got {args.ssh_port}")
+    if args.node_rank is not None and not args.no_ssh:
+        parser.error("--node_rank is only used with --no_ssh")
+
+
+def _options(args: argparse.Namespace) -> LaunchOptions:
+    from deepshard.launcher._plan import LaunchOptions
+    from deepshard.launcher._ranks import RunOptions
+
+    run = RunOptions(
+        script=args.user_script,
+        script_args=tuple(args.user_args),
+        module=args.module,
+        no_python=args.no_python,
+        no_local_rank=args.no_local_rank,
+        bind_cores_to_rank=args.bind_cores_to_rank or args.bind_core_list is not None,
+        bind_core_list=args.bind_core_list,
+        log_dir=None if args.log_dir is None else os.path.abspath(args.log_dir),
+    )
+    return LaunchOptions(
+        run=run,
+        hostfile=args.hostfile,
+        include=args.include,
+        exclude=args.exclude,
+        num_nodes=args.num_nodes,
+        num_gpus=args.num_gpus,
+        nproc_per_node=args.nproc_per_node,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        launcher=args.launcher,
+        launcher_args=args.launcher_args,
+        ssh_port=args.ssh_port,
+        max_restarts=args.max_restarts,
+        no_ssh=args.no_ssh,
+        node_rank=args.node_rank,
+        venv_script=args.venv_script,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ds-launch``.
+
+    Args:
+        argv: Arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code (see `deepshard.launcher.launch`); 1 for a launch error, 2 for bad
+        arguments.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_counts(parser, args)
+    # Imported only now: they pull in deepshard.interface (pydantic), not needed for --help.
+    from deepshard.interface.errors import LaunchError
+    from deepshard.launcher._launch import launch
+
+    try:
+        return launch(
+            _options(args),
+            environ=dict(os.environ),
+            cwd=os.getcwd(),
+            home=os.path.expanduser("~"),
+            python=sys.executable,
+            dry_run=args.dry_run,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
+    except LaunchError as error:
+        sys.stderr.write(f"ds-launch: error: {error}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

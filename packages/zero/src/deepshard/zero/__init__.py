@@ -1,3 +1,48 @@
-"""ZeRO (scaffold)."""
+"""ZeRO stages 0-2: partitioned optimizer state, master weights and gradients over data parallelism.
 
-__all__: list[str] = []
+`ZeroOptimizer` wraps any element-wise ``torch.optim.Optimizer`` (`build_zero_optimizer` builds
+it from a DeepSpeed config); the functional core (flat layout and partitioning, bucket
+planning, gradient arithmetic, norms) is importable on its own and needs no process group.
+"""
+
+from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
+from deepshard.zero.build import build_zero_optimizer
+from deepshard.zero.layout import (
+    ALIGNMENT_BYTES,
+    Bucket,
+    FlatLayout,
+    GatherCall,
+    ParamSlot,
+    Piece,
+    gather_copies,
+    plan_flat_layout,
+    plan_gather_calls,
+)
+from deepshard.zero.norms import GradNorm, global_grad_norm, grad_overflow, scale_factor
+from deepshard.zero.optimizer import ParamShard, StepResult, ZeroOptimizer
+from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket
+
+__all__ = [
+    "ALIGNMENT_BYTES",
+    "ZERO_SAFE_ATTRIBUTE",
+    "Bucket",
+    "FlatLayout",
+    "GatherCall",
+    "GradNorm",
+    "GradientReduction",
+    "ParamShard",
+    "ParamSlot",
+    "PendingReduction",
+    "Piece",
+    "StepResult",
+    "ZeroOptimizer",
+    "build_zero_optimizer",
+    "gather_copies",
+    "global_grad_norm",
+    "grad_overflow",
+    "is_zero_safe",
+    "plan_flat_layout",
+    "plan_gather_calls",
+    "reduce_bucket",
+    "scale_factor",
+]

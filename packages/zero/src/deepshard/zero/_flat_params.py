@@ -1,0 +1,197 @@
+"""One param group's model parameters, living in one flat buffer laid out by a `FlatLayout`.
+
+Each parameter's ``.data`` is re-pointed at its slot of the buffer (its values copied first), so
+the model keeps its ``nn.Parameter`` objects, hooks and names, and every update of the buffer
+is an update of the model. This rank's fp32 master partition is cut from the buffer; after the
+optimizer step the updated partitions come back in bulk: copied (one partition, stage 0) or
+all-gathered from every rank (stages 1-2), straight into the buffer where a call covers exactly
+one bucket, through a staging tensor otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+from deepshard.comm import CommsLogger, all_gather_into_tensor
+from deepshard.interface.errors import ConfigError
+from deepshard.zero._group import Group
+from deepshard.zero.layout import FlatLayout, GatherCall, gather_copies, plan_flat_layout
+
+__all__ = ["FlatParams", "common_dtype_and_device", "flatten_param_groups"]
+
+
+def common_dtype_and_device(
+    params: Sequence[torch.Tensor], group_index: int
+) -> tuple[torch.dtype, torch.device]:
+    """The one dtype and device of a param group's trainable parameters.
+
+    Raises:
+        ConfigError: The parameters mix dtypes or devices (one flat buffer cannot hold them).
+    """
+    dtypes = {p.dtype for p in params}
+    devices = {p.device for p in params}
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise ConfigError(
+            f"param group {group_index} mixes dtypes {sorted(map(str, dtypes))} or devices "
+            f"{sorted(map(str, devices))}; ZeRO keeps each group in one flat buffer, so cast the "
+            "model to one dtype and device, or put differing parameters in separate groups"
+        )
+    if not params:
+        return torch.float32, torch.device("cpu")
+    dtype, device = params[0].dtype, params[0].device
+    if not dtype.is_floating_point:
+        raise ConfigError(
+            f"param group {group_index} holds {dtype} parameters; ZeRO trains floating-point "
+            "parameters only (set requires_grad=False on the others)"
+        )
+    return dtype, device
+
+
+class FlatParams:
+    """A param group's trainable parameters re-pointed into one flat buffer.
+
+    Args:
+        params: The trainable parameters, in layout order (one dtype and device).
+        layout: Their layout.
+        dtype: The parameters' dtype.
+        device: Their device.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        layout: FlatLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layout = layout
+        self.buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for param, slot in zip(params, layout.slots, strict=True):
+                view = self.buffer[slot.offset : slot.stop].view(slot.shape)
+                view.copy_(param.detach())
+                param.data = view
+
+    def master_partition(self, rank: int) -> torch.Tensor:
+        """A fresh fp32 copy of partition ``rank``: its chunk of every bucket, back to back."""
+        layout = self.layout
+        master = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.buffer.device)
+        for bucket in layout.buckets:
+            chunk = layout.chunk_numel(bucket)
+            start = layout.chunk_start(bucket, rank)
+            master[bucket.local_start : bucket.local_start + chunk].copy_(
+                self.buffer[start : start + chunk]
+            )
+        return master
+
+    def copy_from(self, master: torch.Tensor) -> None:
+        """Write the whole (unpartitioned, stage 0) master into the parameters."""
+        assert self.layout.world_size == 1, "copy_from is for an unpartitioned layout"
+        self.buffer.copy_(master)
+
+    def gather_from(
+        self,
+        master: torch.Tensor,
+        calls: Sequence[GatherCall],
+        *,
+        group: Group,
+        logger: CommsLogger | None = None,
+    ) -> None:
+        """All-gather every rank's updated master partition into the parameters.
+
+        Args:
+            master: This rank's fp32 partition.
+            calls: How to cut the partition into all-gathers (`plan_gather_calls`).
+            group: The data-parallel group the layout is partitioned over.
+            logger: Records each all-gather.
+        """
+        world = self.layout.world_size
+        pending = []
+        for call in calls:
+            send = master[call.local_start : call.local_stop].to(self.buffer.dtype)
+            if call.bucket is not None:
+                bucket = self.layout.buckets[call.bucket]
+                out = self.buffer[bucket.start : bucket.stop]
+            else:
+                out = send.new_empty(world * call.numel)
+            handle = all_gather_into_tensor(
+                send,
+                group=group,
+                output=out,
+                async_op=True,
+                logger=logger,
+                log_name="zero_all_gather_params",
+            )
+            pending.append((call, handle))
+        for call, handle in pending:
+            gathered = handle.wait()
+            if call.bucket is None:
+                for src, dst, length in gather_copies(self.layout, call):
+                    self.buffer[dst : dst + length].copy_(gathered[src : src + length])
+
+
+def _check_unique(param_groups: Sequence[MutableMapping[str, Any]]) -> None:
+    seen: set[int] = set()
+    for g, param_group in enumerate(param_groups):
+        for param in param_group["params"]:
+            if id(param) in seen:
+                raise ConfigError(
+                    f"a parameter appears twice in the optimizer's param groups (group {g}); "
+                    "list every parameter once"
+                )
+            seen.add(id(param))
+
+
+def flatten_param_groups(
+    param_groups: Sequence[MutableMapping[str, Any]],
+    *,
+    world_size: int,
+    rank: int,
+    bucket_numel: int,
+) -> tuple[list[list[torch.nn.Parameter]], list[FlatParams], list[torch.Tensor], torch.device]:
+    """Move every group's trainable parameters into a flat buffer; point the group at a master.
+
+    Each group's ``"params"`` is replaced by this rank's fp32 master partition (or emptied when
+    the partition is empty); the other keys (``lr``, ``weight_decay``...) stay.
+
+    Args:
+        param_groups: The inner optimizer's param groups, changed in place.
+        world_size: Partitions per group (1 at stage 0).
+        rank: This rank's partition.
+        bucket_numel: ``reduce_bucket_size``.
+
+    Returns:
+        Per group: the trainable parameters, their `FlatParams` and the master; and the device.
+
+    Raises:
+        ConfigError: A parameter listed twice, a group mixing dtypes or devices, non-float
+            parameters, or groups on different devices.
+    """
+    _check_unique(param_groups)
+    params, flats, masters = [], [], []
+    devices: set[torch.device] = set()
+    for g, param_group in enumerate(param_groups):
+        trainable = [p for p in param_group["params"] if p.requires_grad]
+        dtype, device = common_dtype_and_device(trainable, g)
+        layout = plan_flat_layout(
+            [tuple(p.shape) for p in trainable],
+            element_size=dtype.itemsize,
+            world_size=world_size,
+            bucket_numel=bucket_numel,
+        )
+        flat = FlatParams(trainable, layout, dtype, device)
+        master = flat.master_partition(rank)
+        param_group["params"] = [master] if master.numel() else []
+        params.append(trainable)
+        flats.append(flat)
+        masters.append(master)
+        devices.update([device] if trainable else [])
+    if len(devices) > 1:
+        raise ConfigError(
+            f"the param groups live on several devices {sorted(map(str, devices))}; ZeRO needs "
+            "the whole model on one device"
+        )
+    return params, flats, masters, devices.pop() if devices else torch.device("cpu")

@@ -1,0 +1,325 @@
+"""Where gradients go after autograd produces them, and how they are reduced, per ZeRO stage.
+
+Both stores take each parameter's gradient from its post-accumulate-grad hook (the parameter's
+``.grad`` is released right after) and reduce bucket by bucket through a `BucketScheduler`, so
+reductions overlap with the rest of backward.
+
+* `AccumulatedGradients` (stages 0 and 1) keeps a full flat gradient buffer laid out like the
+  parameters, in the accumulation dtype. Micro-steps before the accumulation boundary only add
+  into it. During the boundary's backward each full bucket is all-reduced in place (stage 0) or
+  reduce-scattered into this rank's fp32 gradient partition (stage 1). Overlapping costs no
+  memory here, so it is always on.
+* `PartitionedGradients` (stage 2) keeps only this rank's partition, in the accumulation dtype.
+  Every micro-step, each bucket's gradients are copied into a bucket-sized staging tensor (in
+  the communication dtype), reduce-scattered, and the chunk is added to the partition; the
+  staging tensor is then freed. So gradients are reduced at every micro-step, as DeepSpeed's
+  stage 2 does, and no rank ever holds more than a few buckets of full gradients. With
+  ``overlap_comm`` the reductions run asynchronously, at most two in flight; without it each
+  runs to completion inside the hook.
+
+Buckets whose parameters got no gradient are reduced at the end of the pass with zeros there.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepshard.comm import CommsLogger
+from deepshard.zero._group import Group
+from deepshard.zero._scheduler import BucketScheduler, Finish
+from deepshard.zero.layout import FlatLayout, ParamSlot
+from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket
+
+__all__ = [
+    "AccumulatedGradients",
+    "GradientStore",
+    "PartitionedGradients",
+    "StoreSettings",
+    "launch_order",
+]
+
+BucketKey = tuple[int, int]
+"""(param group index, bucket index)."""
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """What a gradient store needs besides the layouts.
+
+    Attributes:
+        device: Where the buffers live.
+        group: The data-parallel group.
+        reduction: How buckets are combined.
+        use_reduce_scatter: ``zero_optimization.reduce_scatter`` (else all-reduce and slice).
+        accum_dtype: Dtype gradients are accumulated in; ``None`` uses each group's grad dtype.
+        logger: Records every collective.
+        param_positions: Each trainable parameter's index in the model's registration order,
+            per group; decides the launch order (see `launch_order`).
+    """
+
+    device: torch.device
+    group: Group
+    reduction: GradientReduction
+    use_reduce_scatter: bool = True
+    accum_dtype: torch.dtype | None = None
+    logger: CommsLogger | None = None
+    param_positions: tuple[tuple[int, ...], ...] | None = None
+
+
+def launch_order(
+    layouts: Sequence[FlatLayout], positions: Sequence[Sequence[int]] | None = None
+) -> list[BucketKey]:
+    """Bucket keys in the order their gradients are expected to be complete during backward.
+
+    Backward produces gradients roughly in reverse order of the parameters' use in forward,
+    approximated by their registration order in the model (``positions``: each trainable
+    parameter's index in ``model.named_parameters()``, per group). A bucket is complete when its
+    earliest parameter has its gradient, so buckets go latest-earliest-parameter first. Without
+    positions, reverse buffer order is used (the param groups' own order).
+    """
+    keys = [(g, b.index) for g, layout in enumerate(layouts) for b in layout.buckets]
+    if positions is None:
+        return keys[::-1]
+
+    def earliest(key: BucketKey) -> tuple[int, int, int]:
+        g, b = key
+        slots = layouts[g].buckets[b].slots
+        first = min((positions[g][i] for i in slots), default=-1)
+        return (first, g, b)
+
+    return sorted(keys, key=earliest, reverse=True)
+
+
+def _fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
+
+class GradientStore(ABC):
+    """What the stores share: settings, the bucket scheduler, and the interface the optimizer uses.
+
+    Args:
+        layouts: One layout per param group.
+        grad_dtypes: The gradients' (model) dtype per group.
+        settings: Device, group, reduction arithmetic, logger.
+        max_inflight: Passed to the scheduler.
+    """
+
+    def __init__(
+        self,
+        layouts: Sequence[FlatLayout],
+        grad_dtypes: Sequence[torch.dtype],
+        settings: StoreSettings,
+        *,
+        max_inflight: int | None,
+    ) -> None:
+        self.layouts = list(layouts)
+        self.settings = settings
+        self.accum_dtypes = [settings.accum_dtype or dtype for dtype in grad_dtypes]
+        self.comm_dtypes = [settings.reduction.comm_dtype(dtype) for dtype in grad_dtypes]
+        members = {
+            (g, b.index): len(b.members) for g, layout in enumerate(layouts) for b in layout.buckets
+        }
+        order = launch_order(layouts, settings.param_positions)
+        self.scheduler = BucketScheduler(order, members, self._launch, max_inflight)
+
+    @abstractmethod
+    def begin(self, *, boundary: bool) -> None:
+        """Start a backward pass; ``boundary`` says whether the optimizer steps after it."""
+
+    @abstractmethod
+    def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Take one parameter's gradient of this pass."""
+
+    @abstractmethod
+    def _launch(self, key: BucketKey) -> Finish:
+        """Start reducing one bucket; return what finishes it."""
+
+    @abstractmethod
+    def partition_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced fp32 gradients per group, laid out like its master partitions."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget the accumulated gradients (after a step or a skipped step)."""
+
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]:
+        """Every gradient tensor this store holds right now."""
+
+    def finish(self) -> None:
+        """End the pass: reduce what is left and wait for every reduction."""
+        self.scheduler.flush()
+
+    def nbytes(self) -> int:
+        """Bytes of gradient storage this rank holds right now."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.settings.device)
+
+    def _reduce(
+        self,
+        bucket: torch.Tensor,
+        *,
+        scatter: bool,
+        output: torch.Tensor | None = None,
+        async_op: bool = True,
+    ) -> PendingReduction:
+        s = self.settings
+        return reduce_bucket(
+            bucket,
+            group=s.group,
+            reduction=s.reduction,
+            scatter=scatter,
+            use_reduce_scatter=s.use_reduce_scatter,
+            output=output,
+            async_op=async_op,
+            logger=s.logger,
+        )
+
+
+class AccumulatedGradients(GradientStore):
+    """Stages 0-1: a full local gradient buffer, reduced during the boundary's backward.
+
+    Args:
+        layouts: One layout per param group.
+        grad_dtypes: The gradients' dtype per group.
+        settings: Device, group, reduction arithmetic, logger.
+        partitioned: Stage 1 (reduce-scatter into fp32 partitions) rather than stage 0.
+    """
+
+    def __init__(
+        self,
+        layouts: Sequence[FlatLayout],
+        grad_dtypes: Sequence[torch.dtype],
+        settings: StoreSettings,
+        *,
+        partitioned: bool,
+    ) -> None:
+        super().__init__(layouts, grad_dtypes, settings, max_inflight=None)
+        self.partitioned = partitioned
+        self.buffers = [
+            self._zeros(layout.numel, dtype)
+            for layout, dtype in zip(self.layouts, self.accum_dtypes, strict=True)
+        ]
+        self.partitions: list[torch.Tensor] | None = None
+
+    def begin(self, *, boundary: bool) -> None:
+        self.scheduler.begin(reducing=boundary)
+        if boundary and self.partitioned:
+            self.partitions = [
+                self._zeros(lay.partition_numel, torch.float32) for lay in self.layouts
+            ]
+
+    def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
+        self.buffers[group_index][slot.offset : slot.stop].add_(grad.reshape(-1))
+        self.scheduler.arrived((group_index, slot.bucket), slot.index)
+
+    def _launch(self, key: BucketKey) -> Finish:
+        g, b = key
+        layout = self.layouts[g]
+        bucket = layout.buckets[b]
+        view = self.buffers[g][bucket.start : bucket.stop]
+        comm = view.to(self.comm_dtypes[g])  # the view itself when the dtypes agree
+        if not self.partitioned:
+            target = view
+            pending = self._reduce(comm, scatter=False)
+        else:
+            assert self.partitions is not None, "begin(boundary=True) allocates the partitions"
+            chunk = layout.chunk_numel(bucket)
+            target = self.partitions[g][bucket.local_start : bucket.local_start + chunk]
+            direct = comm.dtype == torch.float32 and self.settings.use_reduce_scatter
+            pending = self._reduce(comm, scatter=True, output=target if direct else None)
+
+        def finish() -> None:
+            result = pending.wait()
+            if result is not target:
+                target.copy_(result)
+
+        return finish
+
+    def partition_grads(self) -> list[torch.Tensor]:
+        if self.partitioned:
+            assert self.partitions is not None, "a boundary pass fills the partitions"
+            return self.partitions
+        return [_fp32(buffer) for buffer in self.buffers]
+
+    def clear(self) -> None:
+        for buffer in self.buffers:
+            buffer.zero_()
+        self.partitions = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.buffers + (self.partitions or [])
+
+
+class PartitionedGradients(GradientStore):
+    """Stage 2: only this rank's gradient partition; buckets reduced at every micro-step.
+
+    Args:
+        layouts: One layout per param group.
+        grad_dtypes: The gradients' dtype per group.
+        settings: Device, group, reduction arithmetic, logger.
+        overlap: ``overlap_comm``: reduce asynchronously (at most two buckets in flight).
+    """
+
+    def __init__(
+        self,
+        layouts: Sequence[FlatLayout],
+        grad_dtypes: Sequence[torch.dtype],
+        settings: StoreSettings,
+        *,
+        overlap: bool,
+    ) -> None:
+        super().__init__(layouts, grad_dtypes, settings, max_inflight=2 if overlap else 0)
+        self.overlap = overlap
+        self.accumulators = [
+            self._zeros(layout.partition_numel, dtype)
+            for layout, dtype in zip(self.layouts, self.accum_dtypes, strict=True)
+        ]
+        self.staging: dict[BucketKey, torch.Tensor] = {}
+
+    def begin(self, *, boundary: bool) -> None:
+        self.scheduler.begin(reducing=True)
+
+    def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
+        key = (group_index, slot.bucket)
+        bucket = self.layouts[group_index].buckets[slot.bucket]
+        staging = self.staging.get(key)
+        if staging is None:
+            staging = self._zeros(bucket.numel, self.comm_dtypes[group_index])
+            self.staging[key] = staging
+        start = slot.offset - bucket.start
+        staging[start : start + slot.numel].add_(grad.reshape(-1))
+        self.scheduler.arrived(key, slot.index)
+
+    def _launch(self, key: BucketKey) -> Finish:
+        g, b = key
+        layout = self.layouts[g]
+        bucket = layout.buckets[b]
+        staging = self.staging.pop(key, None)
+        if staging is None:  # no parameter of the bucket got a gradient in this pass
+            staging = self._zeros(bucket.numel, self.comm_dtypes[g])
+        pending = self._reduce(staging, scatter=True, async_op=self.overlap)
+        start = bucket.local_start
+        target = self.accumulators[g][start : start + layout.chunk_numel(bucket)]
+
+        def finish() -> None:
+            target.add_(pending.wait())
+
+        return finish
+
+    def partition_grads(self) -> list[torch.Tensor]:
+        return [_fp32(acc) for acc in self.accumulators]
+
+    def clear(self) -> None:
+        for acc in self.accumulators:
+            acc.zero_()
+        self.staging.clear()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.accumulators + list(self.staging.values())

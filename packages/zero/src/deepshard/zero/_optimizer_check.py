@@ -1,0 +1,73 @@
+"""Which inner optimizers ZeRO may wrap.
+
+ZeRO hands the inner optimizer one flat 1-D fp32 tensor per param group: this rank's partition,
+where parameters are cut at arbitrary element boundaries. That is equivalent to stepping the
+original parameters only for an *element-wise* optimizer: one whose update of an element
+depends on that element's gradient and state alone (Adam, AdamW, SGD, Adagrad, Lion...), never
+on the parameter's shape or on other elements (Muon, Shampoo, LAMB's per-tensor trust ratio).
+
+An optimizer class declares itself safe with a class attribute::
+
+    class MyAdam(torch.optim.Optimizer):
+        zero_safe = True  # element-wise update: ZeRO may partition it
+
+(``deepshard.optimizers`` sets it on its element-wise optimizers; the attribute is duck-typed,
+so no import of ``deepshard.zero`` is needed). Any other optimizer needs the config's top-level
+``"zero_allow_untested_optimizer": true``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepshard.interface.errors import ConfigError
+
+__all__ = ["ZERO_SAFE_ATTRIBUTE", "check_optimizer", "is_zero_safe"]
+
+ZERO_SAFE_ATTRIBUTE = "zero_safe"
+"""Class attribute that, set to ``True``, declares an optimizer element-wise (ZeRO-safe)."""
+
+_TESTED: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    torch.optim.Adagrad,
+)
+
+
+def is_zero_safe(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is known to be element-wise: a tested torch class or marked safe."""
+    cls = type(optimizer)
+    return cls in _TESTED or getattr(cls, ZERO_SAFE_ATTRIBUTE, False) is True
+
+
+def check_optimizer(optimizer: object, *, allow_untested: bool) -> None:
+    """Refuse an optimizer ZeRO cannot wrap.
+
+    Args:
+        optimizer: The inner optimizer.
+        allow_untested: The config's ``zero_allow_untested_optimizer``.
+
+    Raises:
+        ConfigError: Not a ``torch.optim.Optimizer``; it already has state (it must be wrapped
+            before its first step); or it is untested and ``allow_untested`` is false.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"ZeRO wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if optimizer.state:
+        raise ConfigError(
+            f"{type(optimizer).__name__} already has state; wrap it with ZeRO before its "
+            "first step (ZeRO re-creates the state on the partitioned fp32 master weights)"
+        )
+    if not allow_untested and not is_zero_safe(optimizer):
+        raise ConfigError.from_problems(
+            [
+                (
+                    "zero_allow_untested_optimizer",
+                    f"{type(optimizer).__qualname__} is not known to be element-wise, which "
+                    'ZeRO\'s flat partitions need; set "zero_allow_untested_optimizer": true '
+                    "(top level of the config) to use it anyway, or mark the class "
+                    f"`{ZERO_SAFE_ATTRIBUTE} = True` if its update is element-wise",
+                )
+            ]
+        )

@@ -1,0 +1,117 @@
+"""The backward-pass protocol: which pass ends an accumulation cycle, and when a step may run.
+
+A pass starts when the first parameter of the model receives its gradient (a hook) and ends in
+an autograd end-of-pass callback queued at that moment, so a plain ``loss.backward()`` is
+enough. Whether the pass is the *boundary* (the last micro-step before the optimizer step) is
+said beforehand: ``run(loss, is_boundary=...)``, or ``no_sync()`` around passes that are not.
+After the boundary pass the reduced gradients are *ready*: a step (or ``zero_grad``) must
+consume them before the next pass.
+
+A rank on which no parameter got a gradient fires no hook; ``run`` then opens and closes the pass
+itself, so the rank still takes part in the collectives the other ranks issue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.autograd import Variable
+
+from deepshard.interface.errors import CommError, ConfigError
+from deepshard.zero._gradients import GradientStore
+from deepshard.zero.layout import ParamSlot
+
+__all__ = ["BackwardPasses"]
+
+
+class BackwardPasses:
+    """Tracks backward passes for a gradient store.
+
+    Args:
+        store: Where gradients go and how they are reduced.
+        ignore_unused_parameters: ``zero_optimization.ignore_unused_parameters``: when false, a
+            pass in which some parameter got no gradient is an error.
+    """
+
+    def __init__(self, store: GradientStore, *, ignore_unused_parameters: bool) -> None:
+        self._store = store
+        self._ignore_unused = ignore_unused_parameters
+        self._next_boundary = True
+        self._no_sync_depth = 0
+        self._open = False
+        self._boundary = False
+        self._ready = False
+        self._count = 0
+
+    @property
+    def in_pass(self) -> bool:
+        """Whether a backward pass is running."""
+        return self._open
+
+    @property
+    def ready(self) -> bool:
+        """Whether a boundary pass has reduced the gradients and no step consumed them yet."""
+        return self._ready
+
+    def consume(self) -> None:
+        """The step (or ``zero_grad``) used the gradients; passes may start again."""
+        self._ready = False
+
+    def on_gradient(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Hand one parameter's gradient to the store, starting the pass if it is the first."""
+        if not self._open:
+            self._begin()
+            Variable._execution_engine.queue_callback(self._end)
+        if slot.numel:
+            self._store.add(group_index, slot, grad)
+
+    def run(self, loss: torch.Tensor, *, is_boundary: bool, retain_graph: bool) -> None:
+        """``loss.backward()`` as a pass with the given boundary flag."""
+        count = self._count
+        self._next_boundary = is_boundary
+        try:
+            loss.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
+            if self._count == count:  # no hook fired on this rank
+                self._begin()
+                self._end()
+        finally:
+            self._next_boundary = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Passes inside are not boundaries."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def _begin(self) -> None:
+        if self._ready:
+            raise CommError(
+                "a backward pass followed the accumulation boundary before step(): call step() "
+                "(or zero_grad() to drop the gradients) after the boundary's backward"
+            )
+        self._boundary = self._next_boundary and self._no_sync_depth == 0
+        self._store.begin(boundary=self._boundary)
+        self._open = True
+        self._count += 1
+
+    def _end(self) -> None:
+        self._open = False
+        self._store.finish()
+        missing = sum(count for _, count in self._store.scheduler.missing())
+        if missing and not self._ignore_unused:
+            raise ConfigError.from_problems(
+                [
+                    (
+                        "zero_optimization.ignore_unused_parameters",
+                        f"false, but {missing} parameters got no gradient in this backward pass; "
+                        "set it to true (they then count as zero) or exclude them from the "
+                        "optimizer",
+                    )
+                ]
+            )
+        self._ready = self._boundary

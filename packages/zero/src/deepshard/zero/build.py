@@ -1,0 +1,66 @@
+"""`build_zero_optimizer`: a `ZeroOptimizer` from a whole DeepSpeed config, for the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from deepshard.comm import CommsLogger
+from deepshard.interface import DeepShardConfig
+from deepshard.zero._group import Group
+from deepshard.zero.optimizer import ZeroOptimizer
+from deepshard.zero.reduction import DTYPES, GradientReduction
+
+__all__ = ["build_zero_optimizer"]
+
+
+def build_zero_optimizer(
+    optimizer: torch.optim.Optimizer,
+    config: DeepShardConfig,
+    *,
+    group: Group,
+    comms_logger: CommsLogger | None = None,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] = (),
+    axes: Sequence[str] = ("dp",),
+) -> ZeroOptimizer:
+    """Wrap ``optimizer`` as the config says.
+
+    Reads ``zero_optimization``, ``gradient_clipping``, ``gradient_allreduce_op``,
+    ``prescale_gradients``, ``gradient_predivide_factor``, ``communication_data_type``,
+    ``data_types.grad_accum_dtype`` and ``zero_allow_untested_optimizer``. Loss scaling
+    (``fp16``) stays with the caller, which passes the scale to ``step``.
+
+    Args:
+        optimizer: The inner optimizer, built on the model's parameters.
+        config: The whole config.
+        group: The data-parallel group of the dense parameters.
+        comms_logger: Records every collective.
+        named_parameters: Names for the shard maps, e.g. ``model.named_parameters()``.
+        axes: Mesh axes ``group`` spans.
+
+    Returns:
+        The wrapper; call its ``backward`` and ``step``.
+
+    Raises:
+        ConfigError: As `ZeroOptimizer` does.
+    """
+    reduction = GradientReduction.from_names(
+        op=config.gradient_allreduce_op,
+        prescale=config.prescale_gradients,
+        predivide_factor=config.gradient_predivide_factor,
+        dtype=config.communication_data_type,
+    )
+    accum = config.data_types.grad_accum_dtype
+    return ZeroOptimizer(
+        optimizer,
+        group=group,
+        config=config.zero_optimization,
+        gradient_clipping=config.gradient_clipping,
+        reduction=reduction,
+        grad_accum_dtype=None if accum is None else DTYPES[accum],
+        zero_allow_untested_optimizer=config.zero_allow_untested_optimizer,
+        comms_logger=comms_logger,
+        named_parameters=named_parameters,
+        axes=axes,
+    )

@@ -1,0 +1,168 @@
+"""The global gradient norm, the overflow check and the clip factor, with at most one collective.
+
+Each rank holds some gradients (its partitions at stages 1-2, everything at stage 0). The
+global ``p``-norm is ``(Σ_ranks Σ_tensors ||g||_p^p)^(1/p)``, and the ``inf``-norm the maximum
+of the ranks' maxima, so each rank reduces its tensors to one number and one all-reduce (sum,
+resp. max) combines them. A second number travels in the same all-reduce: whether this rank saw
+a non-finite value. It is kept apart from the norm itself because a maximum over a NaN is not
+reliably NaN on every backend. Sums are taken in fp64, as DeepSpeed does, except on devices
+without fp64 (MPS), where fp32 is used.
+
+When every rank already holds the same, fully reduced gradients (stage 0), no collective is
+needed: pass ``group=None``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from deepshard.comm import CommsLogger, all_reduce
+from deepshard.interface.errors import ConfigError
+from deepshard.zero._group import Group
+
+__all__ = ["GradNorm", "check_norm_type", "global_grad_norm", "grad_overflow", "scale_factor"]
+
+CLIP_EPSILON = 1e-6
+"""Added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` and DeepSpeed do."""
+
+
+@dataclass(frozen=True)
+class GradNorm:
+    """The result of `global_grad_norm`.
+
+    Attributes:
+        norm: The global norm of the gradients as given (not unscaled); not finite on overflow.
+        overflow: Whether any rank held a non-finite gradient value.
+    """
+
+    norm: float
+    overflow: bool
+
+
+def check_norm_type(norm_type: float) -> float:
+    """Validate a norm order: a positive number or ``inf``.
+
+    Raises:
+        ConfigError: Otherwise.
+    """
+    value = float(norm_type)
+    if not value > 0:
+        raise ConfigError(f"norm_type must be > 0 or inf, got {norm_type!r}")
+    return value
+
+
+def _norm_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _local_stats(
+    tensors: Sequence[torch.Tensor], norm_type: float, device: torch.device
+) -> torch.Tensor:
+    """``[Σ ||t||_p^p (or max |t|), 1.0 if that is not finite]``, in the norm dtype."""
+    dtype = _norm_dtype(device)
+    norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in tensors if t.numel()]
+    if not norms:
+        value = torch.zeros((), dtype=dtype, device=device)
+    elif math.isinf(norm_type):
+        value = torch.stack(norms).max()
+    else:
+        value = torch.stack(norms).pow(norm_type).sum()
+    flag = (~torch.isfinite(value)).to(dtype)
+    return torch.stack([value, flag])
+
+
+def global_grad_norm(
+    tensors: Sequence[torch.Tensor],
+    *,
+    norm_type: float = 2.0,
+    group: Group | None,
+    device: torch.device | None = None,
+    logger: CommsLogger | None = None,
+) -> GradNorm:
+    """The norm of all ranks' ``tensors`` taken as one vector, and whether any is non-finite.
+
+    Args:
+        tensors: This rank's gradients (any float dtype; padding must be zero).
+        norm_type: ``p`` of the ``p``-norm, or ``math.inf``.
+        group: The ranks whose tensors together form the vector; ``None`` when this rank's
+            tensors are already the whole vector (no collective).
+        device: Where the collective runs when this rank holds no tensor; the tensors'
+            device otherwise.
+        logger: Records the one all-reduce.
+
+    Returns:
+        The norm and the overflow flag, equal on every rank.
+    """
+    p = check_norm_type(norm_type)
+    stats = _local_stats(tensors, p, _device(tensors, device))
+    if group is not None:
+        op: Literal["max", "sum"] = "max" if math.isinf(p) else "sum"
+        all_reduce(stats, group=group, op=op, logger=logger, log_name="zero_grad_norm")
+    value, flag = stats.tolist()
+    norm = value if math.isinf(p) else value ** (1.0 / p)
+    return GradNorm(norm=norm, overflow=flag > 0 or not math.isfinite(norm))
+
+
+def _device(tensors: Sequence[torch.Tensor], device: torch.device | None) -> torch.device:
+    if tensors:
+        return tensors[0].device
+    return device if device is not None else torch.device("cpu")
+
+
+def grad_overflow(
+    tensors: Sequence[torch.Tensor],
+    *,
+    group: Group | None,
+    device: torch.device | None = None,
+    logger: CommsLogger | None = None,
+) -> bool:
+    """Whether any rank holds a non-finite value, without computing a norm (one tiny collective).
+
+    Args:
+        tensors: This rank's gradients.
+        group: As for `global_grad_norm`.
+        device: As for `global_grad_norm`.
+        logger: Records the all-reduce.
+    """
+    flag = torch.zeros(1, dtype=torch.float32, device=_device(tensors, device))
+    for tensor in tensors:
+        flag += (~torch.isfinite(tensor)).any()
+    flag.clamp_(max=1.0)
+    if group is not None:
+        all_reduce(flag, group=group, op="max", logger=logger, log_name="zero_grad_overflow")
+    return bool(flag.item() > 0)
+
+
+def scale_factor(norm: float | None, *, clip: float, loss_scale: float) -> float:
+    """What to multiply the (loss-scaled) gradients by: unscaling and clipping in one factor.
+
+    Clipping follows ``torch.nn.utils.clip_grad_norm_``: gradients whose norm exceeds ``clip``
+    are multiplied by ``clip / (norm + 1e-6)``.
+
+    Args:
+        norm: The *unscaled* global norm; ignored when ``clip`` is 0.
+        clip: ``gradient_clipping``; 0 disables clipping.
+        loss_scale: The factor the loss was multiplied by before backward.
+
+    Returns:
+        The factor; exactly 1.0 when there is nothing to do.
+
+    Raises:
+        ConfigError: Clipping is on but no norm was computed.
+    """
+    factor = 1.0 / loss_scale
+    if clip > 0:
+        if norm is None:
+            raise ConfigError(
+                "gradient_clipping > 0 needs the gradient norm; set "
+                "zero_optimization.compute_grad_norm to true or gradient_clipping to 0"
+            )
+        coefficient = clip / (norm + CLIP_EPSILON)
+        if coefficient < 1.0:
+            factor *= coefficient
+    return factor

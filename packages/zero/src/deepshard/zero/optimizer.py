@@ -1,0 +1,405 @@
+"""`ZeroOptimizer`: ZeRO stages 0, 1 and 2 around any element-wise torch optimizer.
+
+What happens to a model under data parallelism over a group of ``W`` ranks:
+
+1. **Construction.** Each param group's trainable parameters move into one flat, 16-byte
+   aligned buffer (`deepshard.zero.layout`), cut into buckets of ``reduce_bucket_size``
+   elements. This rank's fp32 *master* copy is its partition of the buffer (stages 1-2: its chunk
+   of every bucket, ``1/W`` of the group; stage 0: everything), and the inner optimizer's
+   param group is re-pointed at it: the inner optimizer only ever sees masters, so its state is
+   partitioned too, while group hyper-parameters (``lr``, ``weight_decay``...) stay where an LR
+   scheduler finds them, in ``param_groups``.
+2. **Backward.** A post-accumulate-grad hook hands each gradient to a gradient store
+   (`deepshard.zero._gradients`) and frees ``param.grad``. Stage 0 all-reduces and stage 1
+   reduce-scatters the buckets during the backward pass that ends a gradient-accumulation cycle
+   (earlier passes only accumulate locally); stage 2 reduce-scatters at every pass and keeps only
+   this rank's gradient partition. Collectives start as buckets fill and are waited for when
+   the pass ends (an autograd end-of-pass callback).
+3. **Step** (at the boundary). The global gradient norm and the overflow check take one
+   all-reduce (none at stage 0, whose gradients are already identical everywhere). On overflow
+   the step is skipped: masters, inner state and parameters stay untouched. Otherwise the
+   gradients are unscaled and clipped by one factor, the inner optimizer steps the masters,
+   and the updated masters come back into the model: copied at stage 0, all-gathered in
+   ``allgather_bucket_size`` calls at stages 1-2.
+
+Loss scaling, the accumulation counter and the forward pass belong to the caller (the engine):
+it passes ``is_boundary`` to `ZeroOptimizer.backward` and the loss scale to `ZeroOptimizer.step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepshard.comm import CommsLogger
+from deepshard.interface.config import ZeroConfig
+from deepshard.interface.errors import CommError, ConfigError
+from deepshard.zero._flat_params import flatten_param_groups
+from deepshard.zero._gradients import (
+    AccumulatedGradients,
+    GradientStore,
+    PartitionedGradients,
+    StoreSettings,
+)
+from deepshard.zero._group import Group, resolve_group
+from deepshard.zero._optimizer_check import check_optimizer
+from deepshard.zero._passes import BackwardPasses
+from deepshard.zero._settings import check_zero_settings
+from deepshard.zero._shards import ParamShard, param_shards
+from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
+from deepshard.zero.layout import FlatLayout, ParamSlot, plan_gather_calls
+from deepshard.zero.norms import check_norm_type, global_grad_norm, grad_overflow, scale_factor
+from deepshard.zero.reduction import GradientReduction
+
+__all__ = ["ParamShard", "StepResult", "ZeroOptimizer"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What `ZeroOptimizer.step` did.
+
+    Attributes:
+        overflow: A gradient was not finite on some rank, so the step was skipped (the
+            engine's loss scaler should back off).
+        grad_norm: Global norm of the unscaled gradients before clipping; ``None`` when
+            ``compute_grad_norm`` is false; not finite on overflow.
+    """
+
+    overflow: bool
+    grad_norm: float | None
+
+
+def _registration_positions(
+    params: list[list[torch.nn.Parameter]], named: list[tuple[str, torch.Tensor]]
+) -> tuple[tuple[int, ...], ...] | None:
+    """Each trainable parameter's index in ``named``, per group; None unless all are named."""
+    index = {id(param): i for i, (_, param) in enumerate(named)}
+    if not all(id(p) in index for group in params for p in group):
+        return None
+    return tuple(tuple(index[id(p)] for p in group) for group in params)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so its state, master weights and (stage 2) gradients are partitioned.
+
+    Args:
+        optimizer: The inner optimizer, built on the model's parameters and not yet stepped. It
+            must be element-wise (see `deepshard.zero.is_zero_safe`) unless
+            ``zero_allow_untested_optimizer``.
+        group: The data-parallel group (a ProcessGroup or a 1-D mesh such as ``mesh["dp"]``).
+        config: The ``zero_optimization`` section. Read: ``stage`` (0-2), ``reduce_bucket_size``,
+            ``allgather_bucket_size``, ``overlap_comm`` (stage 2; stages 0-1 always overlap),
+            ``reduce_scatter``, ``compute_grad_norm``, ``ignore_unused_parameters``. Gradients are
+            always contiguous and parameters always 16-byte aligned (``contiguous_gradients``,
+            ``parameter_alignment``); offload and stage-3 keys are refused or unused.
+        gradient_clipping: Clip the global gradient norm to this; 0 disables.
+        norm_type: Order of the norm used for clipping and reported (``math.inf`` allowed).
+        reduction: ``gradient_allreduce_op``, ``prescale_gradients``,
+            ``gradient_predivide_factor`` and ``communication_data_type``.
+        grad_accum_dtype: Dtype gradients are accumulated in; ``None`` uses the model dtype.
+        zero_allow_untested_optimizer: Accept an optimizer not known to be element-wise.
+        comms_logger: Records every collective ZeRO issues.
+        named_parameters: ``model.named_parameters()``: names for `shard_maps`, and the
+            registration order, which sets the order buckets are reduced in (reverse buffer
+            order without it).
+        axes: The mesh axes ``group`` spans, recorded in the shard maps.
+
+    Raises:
+        ConfigError: Unsupported settings, an unsuitable optimizer, or param groups mixing dtypes.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        group: Group,
+        config: ZeroConfig | None = None,
+        gradient_clipping: float = 1.0,
+        norm_type: float = 2.0,
+        reduction: GradientReduction | None = None,
+        grad_accum_dtype: torch.dtype | None = None,
+        zero_allow_untested_optimizer: bool = False,
+        comms_logger: CommsLogger | None = None,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] = (),
+        axes: Sequence[str] = ("dp",),
+    ) -> None:
+        self.config = config if config is not None else ZeroConfig()
+        check_zero_settings(self.config, gradient_clipping=gradient_clipping)
+        check_optimizer(optimizer, allow_untested=zero_allow_untested_optimizer)
+        self.inner, self.gradient_clipping = optimizer, gradient_clipping
+        self.norm_type = check_norm_type(norm_type)
+        self._group, self._logger = resolve_group(group), comms_logger
+        partitioned = self.config.stage >= 1
+        self._partitions = self._group.size() if partitioned else 1
+        self._partition_rank = self._group.rank() if partitioned else 0
+        flat = flatten_param_groups(
+            optimizer.param_groups,
+            world_size=self._partitions,
+            rank=self._partition_rank,
+            bucket_numel=self.config.reduce_bucket_size,
+        )
+        self._params, self._flat, self._masters, self._device = flat
+        self._gather_calls = [
+            plan_gather_calls(f.layout, max_numel=self.config.allgather_bucket_size)
+            for f in self._flat
+        ]
+        named = list(named_parameters)
+        names = {id(param): name for name, param in named}
+        self._shards = param_shards(
+            self._params, self.layouts, self._group.size(), names, tuple(axes)
+        )
+        settings = StoreSettings(
+            self._device,
+            self._group,
+            reduction if reduction is not None else GradientReduction(),
+            use_reduce_scatter=self.config.reduce_scatter,
+            accum_dtype=grad_accum_dtype,
+            logger=comms_logger,
+            param_positions=_registration_positions(self._params, named),
+        )
+        self._store = self._build_store(settings)
+        self._passes = BackwardPasses(
+            self._store, ignore_unused_parameters=self.config.ignore_unused_parameters
+        )
+        self._hooks = self._register_hooks()
+
+    # --- construction -------------------------------------------------------------------
+
+    def _build_store(self, settings: StoreSettings) -> GradientStore:
+        dtypes = [flat.buffer.dtype for flat in self._flat]
+        if self.config.stage == 2:
+            overlap = self.config.overlap_comm
+            return PartitionedGradients(self.layouts, dtypes, settings, overlap=overlap)
+        partitioned = self.config.stage == 1
+        return AccumulatedGradients(self.layouts, dtypes, settings, partitioned=partitioned)
+
+    def _register_hooks(self) -> list[torch.utils.hooks.RemovableHandle]:
+        handles = []
+        for g, (params, flat) in enumerate(zip(self._params, self._flat, strict=True)):
+            for param, slot in zip(params, flat.layout.slots, strict=True):
+                handle = param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    self._grad_hook(g, slot)
+                )
+                handles.append(handle)
+        return handles
+
+    def _grad_hook(self, g: int, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            if grad is not None:
+                self._passes.on_gradient(g, slot, grad)
+
+        return hook
+
+    # --- backward passes ----------------------------------------------------------------
+
+    def backward(
+        self, loss: torch.Tensor, *, is_boundary: bool = True, retain_graph: bool = False
+    ) -> None:
+        """Run ``loss.backward()`` and reduce gradients as the stage requires.
+
+        A plain ``loss.backward()`` works as well (hooks do the work); this method adds the
+        boundary flag and handles a rank on which no parameter got a gradient.
+
+        Args:
+            loss: The (already loss-scaled) loss of one micro-batch.
+            is_boundary: Whether the optimizer steps after this pass (the last micro-step of a
+                gradient-accumulation cycle). Forced false inside `no_sync`.
+            retain_graph: Passed to ``backward``.
+
+        Raises:
+            CommError: The previous boundary's gradients were not consumed by `step` or
+                `zero_grad`.
+        """
+        self._passes.run(loss, is_boundary=is_boundary, retain_graph=retain_graph)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside accumulate without ending the accumulation cycle.
+
+        At stages 0-1 they do no communication at all; stage 2 still reduce-scatters each pass
+        (it keeps only gradient partitions) but the step stays disallowed until a boundary pass.
+        """
+        return self._passes.no_sync()
+
+    # --- step ---------------------------------------------------------------------------
+
+    def step(  # type: ignore[override]
+        self, closure: None = None, *, loss_scale: float = 1.0
+    ) -> StepResult:
+        """Unscale, check, clip and apply the reduced gradients, then refresh the parameters.
+
+        Args:
+            closure: Not supported (must be ``None``).
+            loss_scale: The factor the loss was multiplied by before backward.
+
+        Returns:
+            Whether the step was skipped for overflow, and the gradient norm.
+
+        Raises:
+            CommError: No boundary backward pass happened since the last step.
+            ConfigError: A closure, or a non-positive loss scale.
+        """
+        if closure is not None or not loss_scale > 0:
+            raise ConfigError("ZeroOptimizer.step takes no closure and a loss_scale > 0")
+        if not self._passes.ready:
+            raise CommError(
+                "step() needs gradients reduced at an accumulation boundary: run a backward "
+                "pass with is_boundary=True (outside no_sync()) since the last step"
+            )
+        grads = self._store.partition_grads()
+        norm, overflow = self._norm_and_overflow(grads, loss_scale)
+        if not overflow:
+            factor = scale_factor(norm, clip=self.gradient_clipping, loss_scale=loss_scale)
+            self._apply(grads, factor)
+        self._store.clear()
+        self._passes.consume()
+        return StepResult(overflow=overflow, grad_norm=norm)
+
+    def _norm_and_overflow(
+        self, grads: list[torch.Tensor], loss_scale: float
+    ) -> tuple[float | None, bool]:
+        group = self._group if self._partitions > 1 else None
+        kwargs: dict[str, Any] = {"group": group, "device": self._device, "logger": self._logger}
+        if self.config.compute_grad_norm:
+            result = global_grad_norm(grads, norm_type=self.norm_type, **kwargs)
+            return result.norm / loss_scale, result.overflow
+        return None, grad_overflow(grads, **kwargs)
+
+    def _apply(self, grads: list[torch.Tensor], factor: float) -> None:
+        for master, grad in zip(self._masters, grads, strict=True):
+            if factor != 1.0:
+                grad.mul_(factor)
+            master.grad = grad
+        self.inner.step()
+        for master in self._masters:
+            master.grad = None
+        self._refresh_params()
+
+    def _refresh_params(self) -> None:
+        for flat, master, calls in zip(self._flat, self._masters, self._gather_calls, strict=True):
+            if self._partitions == 1:
+                flat.copy_from(master)
+            else:
+                flat.gather_from(master, calls, group=self._group, logger=self._logger)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (``step`` already does after every step).
+
+        Args:
+            set_to_none: Accepted for compatibility; ZeRO always releases ``param.grad``.
+        """
+        if self._passes.in_pass:
+            raise CommError("zero_grad() was called inside a backward pass")
+        self._store.clear()
+        self._passes.consume()
+        for params in self._params:
+            for param in params:
+                param.grad = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: ZeRO lays out every group's buffers at construction."""
+        raise ConfigError(
+            "ZeroOptimizer cannot take new param groups; add them to the inner optimizer "
+            "before wrapping it"
+        )
+
+    # --- what the engine, schedulers and checkpoints read -------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups (``params`` hold this rank's masters)."""
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's state, keyed by master partition."""
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's defaults."""
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
+
+    @property
+    def layouts(self) -> tuple[FlatLayout, ...]:
+        """The flat layout of every param group."""
+        return tuple(flat.layout for flat in self._flat)
+
+    @property
+    def master_partitions(self) -> tuple[torch.Tensor, ...]:
+        """This rank's fp32 master partition of every param group."""
+        return tuple(self._masters)
+
+    def shard_maps(self) -> tuple[ParamShard, ...]:
+        """Where every element of every trainable parameter's master lives, per rank."""
+        return self._shards
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of inner-optimizer state tensors on this rank."""
+        tensors = [v for s in self.inner.state.values() for v in s.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    def master_bytes(self) -> int:
+        """Bytes of fp32 master weights on this rank."""
+        return sum(m.numel() * m.element_size() for m in self._masters)
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient storage ZeRO holds on this rank right now."""
+        return self._store.nbytes()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's masters and inner-optimizer state (reload with the same layout)."""
+        return partitioned_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore `state_dict` from a run with the same layout; refreshes the parameters.
+
+        Every rank of the group must call it (stages 1-2 all-gather the parameters).
+
+        Raises:
+            CheckpointError: The state was saved with another stage, world or layout.
+        """
+        load_partitioned_state(self, state_dict)
+        self._refresh_params()
+
+    @property
+    def reduction(self) -> GradientReduction:
+        """How gradients are combined over the data-parallel group."""
+        return self._store.settings.reduction
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage."""
+        return self.config.stage
+
+    @property
+    def partition_count(self) -> int:
+        """Ranks the masters are partitioned over (1 at stage 0)."""
+        return self._partitions
+
+    @property
+    def partition_rank(self) -> int:
+        """This rank's partition index (0 at stage 0)."""
+        return self._partition_rank
+
+    def remove_hooks(self) -> None:
+        """Detach ZeRO from the model's parameters (gradients then stay in ``param.grad``)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

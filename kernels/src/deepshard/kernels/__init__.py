@@ -1,3 +1,36 @@
-"""Compiled DeepShard ops with a pure-torch twin for each (scaffold)."""
+"""Compiled DeepShard ops with a pure-torch twin for each.
 
-__all__: list[str] = []
+- `cpu_adam_step` / `cpu_lion_step`: Adam/AdamW and Lion on flat CPU tensors, one pass over
+  memory on the best SIMD path of the CPU (AVX-512, AVX2, NEON, SVE or scalar), multi-threaded.
+- `fused_adam_step`: multi-tensor Adam/AdamW for CUDA tensors.
+
+Every op is a ``torch.library`` custom op (``deepshard::...``), so it composes with
+``torch.compile``. Importing this package loads no extension; the first call does, and if the
+compiled code cannot be loaded the op runs its pure-torch twin (``reference_*``) after one warning
+saying why. ``python -m deepshard.kernels`` prints `kernel_report()`.
+"""
+
+from __future__ import annotations
+
+from deepshard.kernels._cpu_ops import cpu_adam_step, cpu_lion_step
+from deepshard.kernels._extension import SIMD_ENV_VAR
+from deepshard.kernels._fused_adam import fused_adam_status, fused_adam_step
+from deepshard.kernels._reference import reference_adam_step, reference_lion_step
+from deepshard.kernels._report import KernelReport, OpReport, kernel_report
+from deepshard.kernels._simd import active_simd_path, available_simd_paths, use_simd_path
+
+__all__ = [
+    "SIMD_ENV_VAR",
+    "KernelReport",
+    "OpReport",
+    "active_simd_path",
+    "available_simd_paths",
+    "cpu_adam_step",
+    "cpu_lion_step",
+    "fused_adam_status",
+    "fused_adam_step",
+    "kernel_report",
+    "reference_adam_step",
+    "reference_lion_step",
+    "use_simd_path",
+]

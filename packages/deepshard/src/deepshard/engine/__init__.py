@@ -1,8 +1,10 @@
 """DeepShard's user entry point: ``import deepshard.engine as ds``.
 
-The training engine (``ds.initialize``) lands with the engine issue; until then this module
-gathers the foundation a training script starts from, so user code already imports one place:
-the typed config, the topology, distributed start-up, the mesh and the accelerator.
+``ds.initialize(model, config)`` returns ``(engine, optimizer, dataloader, lr_scheduler)``: the
+engine trains the model with ZeRO stage 0, 1 or 2 in fp32, bf16 or fp16 (``engine(batch)``,
+``engine.backward(loss)``, ``engine.step()``). The module also gathers the foundation a
+training script starts from: the typed config, the topology, distributed start-up, the mesh
+and the accelerator.
 """
 
 from __future__ import annotations
@@ -11,6 +13,15 @@ from importlib.metadata import version as _dist_version
 
 from deepshard.accelerators import get_accelerator
 from deepshard.comm import build_mesh, init_distributed
+from deepshard.engine._engine import DeepShardEngine, EngineParts
+from deepshard.engine._initialize import InitializeResult, initialize
+from deepshard.engine._reporting import TensorBytes
+from deepshard.engine.loss_scaler import (
+    DynamicLossScaler,
+    LossScaler,
+    StaticLossScaler,
+    build_loss_scaler,
+)
 from deepshard.interface import (
     CheckpointError,
     ConfigError,
@@ -27,12 +38,21 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DeepShardConfig",
+    "DeepShardEngine",
     "DeepShardError",
+    "DynamicLossScaler",
+    "EngineParts",
+    "InitializeResult",
     "LaunchError",
+    "LossScaler",
+    "StaticLossScaler",
+    "TensorBytes",
     "Topology",
     "TopologyError",
     "__version__",
+    "build_loss_scaler",
     "build_mesh",
     "get_accelerator",
     "init_distributed",
+    "initialize",
 ]

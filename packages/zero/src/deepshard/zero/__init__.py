@@ -1,10 +1,12 @@
 """ZeRO stages 0-2: partitioned optimizer state, master weights and gradients over data parallelism.
 
 `ZeroOptimizer` wraps any element-wise ``torch.optim.Optimizer`` (`build_zero_optimizer` builds
-it from a DeepSpeed config); the functional core (flat layout and partitioning, bucket
-planning, gradient arithmetic, norms) is importable on its own and needs no process group.
+it from a DeepSpeed config), and Muon through a `FullGradTransform` of whole gradients; the
+functional core (flat layout and partitioning, bucket planning, gradient arithmetic, norms) is
+importable on its own and needs no process group.
 """
 
+from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
 from deepshard.zero.build import build_zero_optimizer
 from deepshard.zero.layout import (
@@ -27,6 +29,7 @@ __all__ = [
     "ZERO_SAFE_ATTRIBUTE",
     "Bucket",
     "FlatLayout",
+    "FullGradTransform",
     "GatherCall",
     "GradNorm",
     "GradientReduction",

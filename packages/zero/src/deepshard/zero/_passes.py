@@ -14,14 +14,14 @@ itself, so the rank still takes part in the collectives the other ranks issue.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.autograd import Variable
 
 from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._gradients import GradientStore
-from deepshard.zero.layout import ParamSlot
+from deepshard.zero.layout import FlatLayout, ParamSlot
 
 __all__ = ["BackwardPasses"]
 
@@ -58,6 +58,34 @@ class BackwardPasses:
     def consume(self) -> None:
         """The step (or ``zero_grad``) used the gradients; passes may start again."""
         self._ready = False
+
+    def attach(
+        self, params: Sequence[Sequence[torch.Tensor]], layouts: Sequence[FlatLayout]
+    ) -> list[torch.utils.hooks.RemovableHandle]:
+        """Hook every trainable parameter so its gradient goes to the store (and leaves
+        ``param.grad``) as soon as autograd has accumulated it.
+
+        Args:
+            params: Each group's trainable parameters, in layout order.
+            layouts: Their layouts.
+
+        Returns:
+            The hook handles (remove them to detach).
+        """
+        handles = []
+        for g, (group, layout) in enumerate(zip(params, layouts, strict=True)):
+            for param, slot in zip(group, layout.slots, strict=True):
+                hook = self._hook(g, slot)
+                handles.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+        return handles
+
+    def _hook(self, g: int, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            if grad is not None:
+                self.on_gradient(g, slot, grad)
+
+        return hook
 
     def on_gradient(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Hand one parameter's gradient to the store, starting the pass if it is the first."""

@@ -1,9 +1,10 @@
 """Saving and restoring one rank's ZeRO state for a run with the same layout.
 
-The state is this rank's fp32 master partitions and the inner optimizer's own state dict (whose
-tensors are partitions too). Reloading needs the same partition count, rank and partition sizes;
-moving state between layouts (other world sizes, other bucket sizes) goes through the shard maps
-(`ZeroOptimizer.shard_maps`), which is the checkpoint package's job.
+The state is this rank's fp32 master partitions, the inner optimizer's own state dict (whose
+tensors are partitions too) and the full-gradient transform's buffers (Muon's momentum: whole
+parameters, by name, in the dtype they were kept in). Reloading needs the same partition count,
+rank and partition sizes; moving state between layouts (other world sizes, other bucket sizes)
+goes through the shard maps (`ZeroOptimizer.shard_maps`), which is the checkpoint package's job.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from deepshard.interface.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from deepshard.zero._full_grads import FullGradTransforms
     from deepshard.zero.optimizer import ZeroOptimizer
 
 __all__ = ["load_partitioned_state", "partitioned_state"]
@@ -30,21 +32,27 @@ def _layout_header(optimizer: ZeroOptimizer) -> dict[str, Any]:
     }
 
 
-def partitioned_state(optimizer: ZeroOptimizer) -> dict[str, Any]:
+def partitioned_state(optimizer: ZeroOptimizer, full: FullGradTransforms) -> dict[str, Any]:
     """This rank's state: layout header, master partitions and the inner state dict."""
     return {
         **_layout_header(optimizer),
         "zero_stage": optimizer.stage,
         "master_partitions": [m.detach().clone() for m in optimizer.master_partitions],
         "optimizer": optimizer.inner.state_dict(),
+        "full_grad_buffers": full.state_dict(),
     }
 
 
-def load_partitioned_state(optimizer: ZeroOptimizer, state: dict[str, Any]) -> None:
-    """Copy a `partitioned_state` into ``optimizer`` (masters and inner state only).
+def load_partitioned_state(
+    optimizer: ZeroOptimizer, full: FullGradTransforms, state: dict[str, Any]
+) -> None:
+    """Copy a `partitioned_state` into ``optimizer`` (masters, inner state, transform buffers).
+
+    A state without ``full_grad_buffers`` (saved before transforms existed) loads none.
 
     Raises:
-        CheckpointError: A key is missing or the layout differs.
+        CheckpointError: A key is missing, the layout differs, or a transform buffer belongs to
+            no parameter this rank transforms.
     """
     missing = [k for k in (*_LAYOUT_KEYS, "master_partitions", "optimizer") if k not in state]
     if missing:
@@ -62,4 +70,5 @@ def load_partitioned_state(optimizer: ZeroOptimizer, state: dict[str, Any]) -> N
             optimizer.master_partitions, state["master_partitions"], strict=True
         ):
             master.copy_(saved)
+    full.load_state_dict(state.get("full_grad_buffers", {}))
     optimizer.inner.load_state_dict(state["optimizer"])

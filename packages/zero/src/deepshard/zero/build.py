@@ -8,6 +8,7 @@ import torch
 
 from deepshard.comm import CommsLogger
 from deepshard.interface import DeepShardConfig
+from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._group import Group
 from deepshard.zero.optimizer import ZeroOptimizer
 from deepshard.zero.reduction import DTYPES, GradientReduction
@@ -23,6 +24,8 @@ def build_zero_optimizer(
     comms_logger: CommsLogger | None = None,
     named_parameters: Iterable[tuple[str, torch.Tensor]] = (),
     axes: Sequence[str] = ("dp",),
+    full_grad_transform: FullGradTransform | None = None,
+    transformed_params: Iterable[torch.Tensor] = (),
 ) -> ZeroOptimizer:
     """Wrap ``optimizer`` as the config says.
 
@@ -38,6 +41,11 @@ def build_zero_optimizer(
         comms_logger: Records every collective.
         named_parameters: Names for the shard maps, e.g. ``model.named_parameters()``.
         axes: Mesh axes ``group`` spans.
+        full_grad_transform: ``(grad, buffer, param_group) -> update`` on the full reduced
+            gradient of each of ``transformed_params`` at every step, e.g. Muon's
+            ``muon_update`` with the momentum as the buffer (see `ZeroOptimizer`).
+        transformed_params: Whole param groups of ``optimizer`` to transform (Muon's
+            ``use_muon`` groups).
 
     Returns:
         The wrapper; call its ``backward`` and ``step``.
@@ -63,4 +71,6 @@ def build_zero_optimizer(
         comms_logger=comms_logger,
         named_parameters=named_parameters,
         axes=axes,
+        full_grad_transform=full_grad_transform,
+        transformed_params=transformed_params,
     )

@@ -22,6 +22,11 @@ What happens to a model under data parallelism over a group of ``W`` ranks:
    and the updated masters come back into the model: copied at stage 0, all-gathered in
    ``allgather_bucket_size`` calls at stages 1-2.
 
+A *full-gradient transform* (Muon's Newton–Schulz) sees the whole reduced gradient of every
+parameter of the param groups it is given, at the step, before the norm; its update replaces
+the gradient (`deepshard.zero._full_grads`), and `full_shape` tells the inner optimizer the
+real shape of what it steps (`deepshard.interface.ParamShapes`).
+
 Loss scaling, the accumulation counter and the forward pass belong to the caller (the engine):
 it passes ``is_boundary`` to `ZeroOptimizer.backward` and the loss scale to `ZeroOptimizer.step`.
 """
@@ -29,8 +34,8 @@ it passes ``is_boundary`` to `ZeroOptimizer.backward` and the loss scale to `Zer
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +44,7 @@ from deepshard.comm import CommsLogger
 from deepshard.interface.config import ZeroConfig
 from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._flat_params import flatten_param_groups
+from deepshard.zero._full_grads import FullGradTransform, FullGradTransforms
 from deepshard.zero._gradients import (
     AccumulatedGradients,
     GradientStore,
@@ -51,26 +57,12 @@ from deepshard.zero._passes import BackwardPasses
 from deepshard.zero._settings import check_zero_settings
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
-from deepshard.zero.layout import FlatLayout, ParamSlot, plan_gather_calls
-from deepshard.zero.norms import check_norm_type, global_grad_norm, grad_overflow, scale_factor
+from deepshard.zero._step import NormSettings, StepResult, checked_norm, step_inner
+from deepshard.zero.layout import FlatLayout, plan_gather_calls
+from deepshard.zero.norms import check_norm_type, scale_factor
 from deepshard.zero.reduction import GradientReduction
 
 __all__ = ["ParamShard", "StepResult", "ZeroOptimizer"]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What `ZeroOptimizer.step` did.
-
-    Attributes:
-        overflow: A gradient was not finite on some rank, so the step was skipped (the
-            engine's loss scaler should back off).
-        grad_norm: Global norm of the unscaled gradients before clipping; ``None`` when
-            ``compute_grad_norm`` is false; not finite on overflow.
-    """
-
-    overflow: bool
-    grad_norm: float | None
 
 
 def _registration_positions(
@@ -107,9 +99,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             registration order, which sets the order buckets are reduced in (reverse buffer
             order without it).
         axes: The mesh axes ``group`` spans, recorded in the shard maps.
+        full_grad_transform: ``(grad, buffer, param_group) -> update``, applied at each step to
+            the full reduced gradient of every parameter in ``transformed_params`` (see
+            `deepshard.zero._full_grads`; e.g. Muon's `muon_update` with the momentum as the
+            buffer). Passing one declares that the inner optimizer is element-wise once those
+            gradients hold finished updates, so the element-wise check is skipped.
+        transformed_params: The parameters whose gradients the transform replaces; they must
+            make up whole param groups of ``optimizer`` (such as Muon's ``use_muon`` groups).
 
     Raises:
-        ConfigError: Unsupported settings, an unsuitable optimizer, or param groups mixing dtypes.
+        ConfigError: Unsupported settings, an unsuitable optimizer, param groups mixing dtypes,
+            or ``transformed_params`` without a transform or not forming whole param groups.
     """
 
     def __init__(
@@ -126,10 +126,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         comms_logger: CommsLogger | None = None,
         named_parameters: Iterable[tuple[str, torch.Tensor]] = (),
         axes: Sequence[str] = ("dp",),
+        full_grad_transform: FullGradTransform | None = None,
+        transformed_params: Iterable[torch.Tensor] = (),
     ) -> None:
         self.config = config if config is not None else ZeroConfig()
         check_zero_settings(self.config, gradient_clipping=gradient_clipping)
-        check_optimizer(optimizer, allow_untested=zero_allow_untested_optimizer)
+        allow_untested = zero_allow_untested_optimizer or full_grad_transform is not None
+        check_optimizer(optimizer, allow_untested=allow_untested)
+        selected = list(transformed_params)
         self.inner, self.gradient_clipping = optimizer, gradient_clipping
         self.norm_type = check_norm_type(norm_type)
         self._group, self._logger = resolve_group(group), comms_logger
@@ -152,6 +156,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._shards = param_shards(
             self._params, self.layouts, self._group.size(), names, tuple(axes)
         )
+        self._full = FullGradTransforms.build(
+            full_grad_transform,
+            selected,
+            params=self._params,
+            layouts=self.layouts,
+            shards=self._shards,
+            masters=self._masters,
+            rank=self._partition_rank,
+            param_groups=optimizer.param_groups,
+        )
         settings = StoreSettings(
             self._device,
             self._group,
@@ -160,12 +174,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             accum_dtype=grad_accum_dtype,
             logger=comms_logger,
             param_positions=_registration_positions(self._params, named),
+            full_groups=frozenset(g for g, flag in enumerate(self._full.flags) if flag),
         )
         self._store = self._build_store(settings)
         self._passes = BackwardPasses(
             self._store, ignore_unused_parameters=self.config.ignore_unused_parameters
         )
-        self._hooks = self._register_hooks()
+        self._hooks = self._passes.attach(self._params, self.layouts)
 
     # --- construction -------------------------------------------------------------------
 
@@ -176,24 +191,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return PartitionedGradients(self.layouts, dtypes, settings, overlap=overlap)
         partitioned = self.config.stage == 1
         return AccumulatedGradients(self.layouts, dtypes, settings, partitioned=partitioned)
-
-    def _register_hooks(self) -> list[torch.utils.hooks.RemovableHandle]:
-        handles = []
-        for g, (params, flat) in enumerate(zip(self._params, self._flat, strict=True)):
-            for param, slot in zip(params, flat.layout.slots, strict=True):
-                handle = param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                    self._grad_hook(g, slot)
-                )
-                handles.append(handle)
-        return handles
-
-    def _grad_hook(self, g: int, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            grad, param.grad = param.grad, None
-            if grad is not None:
-                self._passes.on_gradient(g, slot, grad)
-
-        return hook
 
     # --- backward passes ----------------------------------------------------------------
 
@@ -251,33 +248,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "pass with is_boundary=True (outside no_sync()) since the last step"
             )
         grads = self._store.partition_grads()
-        norm, overflow = self._norm_and_overflow(grads, loss_scale)
+        group = self._group if self._partitions > 1 else None
+        norm_settings = NormSettings(
+            self.config.compute_grad_norm, self.norm_type, group, self._device, self._logger
+        )
+        transform = None
+        if any(self._full.flags):
+            apply = self._full.apply
+            args = (self._store.full_gradient, grads, loss_scale, self.inner.param_groups)
+            transform = functools.partial(apply, *args)
+        norm, overflow = checked_norm(grads, loss_scale, norm_settings, transform)
         if not overflow:
             factor = scale_factor(norm, clip=self.gradient_clipping, loss_scale=loss_scale)
-            self._apply(grads, factor)
+            step_inner(self.inner, self._full.views, grads, factor)
+            self._refresh_params()
         self._store.clear()
         self._passes.consume()
         return StepResult(overflow=overflow, grad_norm=norm)
-
-    def _norm_and_overflow(
-        self, grads: list[torch.Tensor], loss_scale: float
-    ) -> tuple[float | None, bool]:
-        group = self._group if self._partitions > 1 else None
-        kwargs: dict[str, Any] = {"group": group, "device": self._device, "logger": self._logger}
-        if self.config.compute_grad_norm:
-            result = global_grad_norm(grads, norm_type=self.norm_type, **kwargs)
-            return result.norm / loss_scale, result.overflow
-        return None, grad_overflow(grads, **kwargs)
-
-    def _apply(self, grads: list[torch.Tensor], factor: float) -> None:
-        for master, grad in zip(self._masters, grads, strict=True):
-            if factor != 1.0:
-                grad.mul_(factor)
-            master.grad = grad
-        self.inner.step()
-        for master in self._masters:
-            master.grad = None
-        self._refresh_params()
 
     def _refresh_params(self) -> None:
         for flat, master, calls in zip(self._flat, self._masters, self._gather_calls, strict=True):
@@ -346,14 +333,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's fp32 master partition of every param group."""
         return tuple(self._masters)
 
+    def full_shape(self, param: object) -> tuple[int, ...] | None:
+        """`deepshard.interface.ParamShapes`: a transformed parameter's shape for its master view
+        in the inner optimizer; ``None`` for a flat master (see `deepshard.zero._full_grads`)."""
+        return self._full.full_shape(param)
+
     def shard_maps(self) -> tuple[ParamShard, ...]:
         """Where every element of every trainable parameter's master lives, per rank."""
         return self._shards
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of inner-optimizer state tensors on this rank."""
+        """Bytes of inner-optimizer state tensors and full-gradient buffers on this rank."""
         tensors = [v for s in self.inner.state.values() for v in s.values()]
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        inner = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return inner + self._full.nbytes()
 
     def master_bytes(self) -> int:
         """Bytes of fp32 master weights on this rank."""
@@ -364,8 +357,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._store.nbytes()
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's masters and inner-optimizer state (reload with the same layout)."""
-        return partitioned_state(self)
+        """This rank's masters, inner-optimizer state and transform buffers (same layout to
+        reload)."""
+        return partitioned_state(self, self._full)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict` from a run with the same layout; refreshes the parameters.
@@ -375,7 +369,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Raises:
             CheckpointError: The state was saved with another stage, world or layout.
         """
-        load_partitioned_state(self, state_dict)
+        load_partitioned_state(self, self._full, state_dict)
         self._refresh_params()
 
     @property

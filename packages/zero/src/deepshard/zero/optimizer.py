@@ -307,7 +307,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> Any:
-        """The inner optimizer's state, keyed by master partition."""
+        """The inner optimizer's state, keyed by master partition (or master view, see
+        `full_shape`)."""
         return self.inner.state
 
     @state.setter

@@ -24,9 +24,10 @@ NaN (decided on the device, no host synchronization) and returns the non-finite 
 the update, so the overflow check that follows still sees it and the step is skipped. Without
 ZeRO the engine, like ``torch.amp.GradScaler``, simply does not call `Muon.step` on overflow.
 
-**Partitioned parameters.** A Muon parameter stored as a flat 1-D partition (ZeRO-3, told
-through ``param_shapes``) cannot be orthogonalized piecewise: its gradient must already hold
-the update, computed by `muon_update` on the gathered gradient, and `Muon.step` applies only
+**Partitioned parameters.** A Muon parameter stored as a flat 1-D partition (a ZeRO master
+piece at stages 1-2, a partitioned parameter at stage 3; told through ``param_shapes``) cannot
+be orthogonalized piecewise: its gradient must already hold the update, computed by
+`muon_update` on the full reduced gradient (ZeRO's ``full_grad_transform``), and `Muon.step` applies only
 the weight decay and the learning rate to it.
 """
 

@@ -26,7 +26,8 @@ def _helper(name: str) -> ModuleType:
 _probes = _helper("_probes")
 
 # Records the attempt; rank 1 fails while DEEPSHARD_RESTART_COUNT < FAIL_UNTIL (after rank 0 has
-# recorded the same attempt), and on the first attempt waits for OUT/go first (so the test can occupy the port before the restart).
+# recorded the same attempt), and on the first attempt waits for OUT/go first (so the test can
+# occupy the port before the restart).
 RESTARTING = """\
 import json, os, sys, time
 from pathlib import Path

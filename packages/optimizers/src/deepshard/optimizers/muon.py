@@ -27,8 +27,8 @@ ZeRO the engine, like ``torch.amp.GradScaler``, simply does not call `Muon.step`
 **Partitioned parameters.** A Muon parameter stored as a flat 1-D partition (a ZeRO master
 piece at stages 1-2, a partitioned parameter at stage 3; told through ``param_shapes``) cannot
 be orthogonalized piecewise: its gradient must already hold the update, computed by
-`muon_update` on the full reduced gradient (ZeRO's ``full_grad_transform``), and `Muon.step` applies only
-the weight decay and the learning rate to it.
+`muon_update` on the full reduced gradient (ZeRO's ``full_grad_transform``), and `Muon.step`
+applies only the weight decay and the learning rate to it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""Gradient accumulation: which micro-step ends an accumulation cycle, and the step counters.
+
+The caller calls ``engine.step()`` after every micro-batch. Counting those calls from 0
+(``micro_steps``), micro-step ``k`` is a *boundary* when ``(k + 1)`` is a multiple of
+``gradient_accumulation_steps``: its backward pass reduces the accumulated gradients and its
+``step()`` applies them. So with 4 accumulation steps the updates come at the 4th, 8th, 12th...
+call. Every boundary counts as a global step and adds ``train_batch_size`` samples, whether the
+update was applied or skipped for overflow (as DeepSpeed counts); skipped ones are also counted
+in ``skipped_steps``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepshard.interface.errors import CheckpointError
+
+__all__ = ["GradientAccumulation"]
+
+_FIELDS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
+
+
+class GradientAccumulation:
+    """The accumulation counter and the step counters.
+
+    Args:
+        steps: ``gradient_accumulation_steps``.
+        train_batch_size: Samples per optimizer step over all data-parallel ranks.
+    """
+
+    def __init__(self, steps: int, train_batch_size: int) -> None:
+        self.steps = steps
+        self.train_batch_size = train_batch_size
+        self.micro_steps = 0
+        """``step()`` calls so far."""
+        self.global_steps = 0
+        """Accumulation boundaries so far (applied or skipped updates)."""
+        self.global_samples = 0
+        """Samples consumed by the boundaries so far."""
+        self.skipped_steps = 0
+        """Boundaries whose update was skipped for overflow."""
+
+    def is_boundary(self) -> bool:
+        """Whether the current micro-step (the next ``step()`` call) ends a cycle."""
+        return (self.micro_steps + 1) % self.steps == 0
+
+    def advance(self, *, applied: bool) -> None:
+        """Count one ``step()`` call; at a boundary, count the optimizer step too.
+
+        Args:
+            applied: At a boundary, whether the update was applied (False: skipped for
+                overflow). Ignored elsewhere.
+        """
+        if self.is_boundary():
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size
+            if not applied:
+                self.skipped_steps += 1
+        self.micro_steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters as plain JSON data."""
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters saved by `state_dict`.
+
+        Raises:
+            CheckpointError: A counter is missing.
+        """
+        missing = [name for name in _FIELDS if name not in state]
+        if missing:
+            raise CheckpointError(f"accumulation state lacks {missing}; keys: {sorted(state)}")
+        for name in _FIELDS:
+            setattr(self, name, int(state[name]))

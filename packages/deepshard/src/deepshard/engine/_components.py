@@ -1,0 +1,125 @@
+"""Which optimizer and LR schedule a run uses: the caller's, or the config's.
+
+As in DeepSpeed, what the caller passes to ``initialize`` wins over the config: an optimizer
+object or a callable that builds one from the parameters, a schedule object or a callable that
+builds one from the (ZeRO-wrapped) optimizer. The config's ``optimizer`` and ``scheduler``
+sections are used only when the caller passes nothing; a section the caller overrides is
+ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, TypeAlias
+
+import torch
+
+from deepshard.interface.config import DeepShardConfig
+from deepshard.interface.errors import ConfigError
+from deepshard.optimizers import build_optimizer
+from deepshard.optimizers.schedules import build_scheduler
+
+__all__ = [
+    "OptimizerArg",
+    "SchedulerArg",
+    "default_parameters",
+    "select_optimizer",
+    "select_scheduler",
+]
+
+_log = logging.getLogger("deepshard.engine")
+
+OptimizerArg: TypeAlias = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
+"""An optimizer, a callable building one from the parameters, or None (use the config)."""
+
+SchedulerArg: TypeAlias = Any
+"""A schedule (anything with ``step()``, e.g. an `LRSchedule` or a torch scheduler), a callable
+building one from the wrapped optimizer, or None (use the config)."""
+
+
+def select_optimizer(
+    optimizer: OptimizerArg,
+    params: Iterable[Any],
+    config: DeepShardConfig,
+) -> torch.optim.Optimizer | None:
+    """The optimizer ZeRO will wrap.
+
+    Args:
+        optimizer: The caller's optimizer, a callable building one, or None.
+        params: ``model_parameters`` (parameters or param groups), or the module's parameters.
+        config: The whole config; its ``optimizer`` section is built when ``optimizer`` is None.
+
+    Returns:
+        The optimizer; None when neither the caller nor the config gives one (the engine then
+        runs forward passes only).
+
+    Raises:
+        ConfigError: A bad ``optimizer`` section, or a callable that returned no optimizer.
+    """
+    if optimizer is not None and config.optimizer is not None:
+        _log.warning("initialize got an optimizer; the config's optimizer section is ignored")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if optimizer is not None:
+        built = optimizer(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise ConfigError(
+                f"the optimizer callable passed to initialize returned {type(built).__name__}, "
+                "not a torch.optim.Optimizer"
+            )
+        return built
+    if config.optimizer is None:
+        return None
+    return build_optimizer(config.optimizer, params)
+
+
+def default_parameters(module: torch.nn.Module, config: DeepShardConfig) -> Iterable[Any]:
+    """What the optimizer trains when the caller names nothing: the module's parameters, with
+    their names for Muon (it sends embeddings and output heads to its auxiliary Adam by name)."""
+    if config.optimizer is not None and config.optimizer.type.lower() == "muon":
+        return list(module.named_parameters())
+    return module.parameters()
+
+
+def select_scheduler(
+    lr_scheduler: SchedulerArg,
+    optimizer: torch.optim.Optimizer | None,
+    config: DeepShardConfig,
+) -> Any:
+    """The LR schedule the engine steps once per applied optimizer step.
+
+    Args:
+        lr_scheduler: The caller's schedule, a callable building one from ``optimizer``, or
+            None.
+        optimizer: The ZeRO-wrapped optimizer (its ``param_groups`` are the inner optimizer's).
+        config: The whole config; its ``scheduler`` section is built when ``lr_scheduler`` is
+            None.
+
+    Returns:
+        The schedule, or None.
+
+    Raises:
+        ConfigError: A bad ``scheduler`` section, a schedule without an optimizer, or a
+            schedule object without ``step()``.
+    """
+    if lr_scheduler is not None and config.scheduler is not None:
+        _log.warning("initialize got an lr_scheduler; the config's scheduler section is ignored")
+    if lr_scheduler is None and config.scheduler is None:
+        return None
+    if optimizer is None:
+        raise ConfigError.from_problems(
+            [("scheduler", "an LR schedule needs an optimizer; add an optimizer section")]
+        )
+    if lr_scheduler is None:
+        assert config.scheduler is not None
+        return build_scheduler(config.scheduler, optimizer)
+    schedule = lr_scheduler
+    if not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
+        schedule = lr_scheduler(optimizer)
+    if not callable(getattr(schedule, "step", None)):
+        raise ConfigError(
+            f"the lr_scheduler passed to initialize ({type(schedule).__name__}) has no step() "
+            "method; pass a schedule or a callable that builds one from the optimizer"
+        )
+    return schedule

@@ -75,7 +75,7 @@ class ExtensionLoader:
             try:
                 module = cast(CpuExtension, importlib.import_module(self._module_name))
             except (ImportError, OSError) as error:
-                self._failure = f"{type(error).__name__}: {error}"
+                self._failure = _describe_failure(error, self._module_name)
                 warnings.warn(
                     f"deepshard.kernels: cannot load the compiled extension "
                     f"{self._module_name} ({self._failure}); using the pure-torch reference "
@@ -109,3 +109,14 @@ class ExtensionLoader:
 
 
 CPU_EXTENSION = ExtensionLoader("deepshard.kernels._cpu")
+
+
+def _describe_failure(error: Exception, module_name: str) -> str:
+    """Why the extension could not be loaded, in words a user can act on."""
+    if isinstance(error, ModuleNotFoundError) and error.name == module_name:
+        return (
+            f"{module_name} is not installed: the C++ build failed or was skipped when "
+            "deepshard-kernels was installed, so the package was installed without it (the "
+            "install log shows the build error)"
+        )
+    return f"{type(error).__name__}: {error}"

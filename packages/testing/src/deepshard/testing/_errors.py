@@ -33,6 +33,13 @@ class RankFailedError(AssertionError):
         super().__init__(message)
 
 
+class RendezvousFailedError(RankFailedError):
+    """Gloo failed to connect the ranks while creating the default group.
+
+    Raised only before the test body ran on any rank, so `run_on_mesh` may start the run again.
+    """
+
+
 class MeshTimeoutError(AssertionError):
     """Some ranks did not finish within the run's time limit.
 

@@ -97,15 +97,22 @@ def _run(spec: RankSpec) -> bytes:
 
     fn = resolve_function(spec.fn)
     args, kwargs, topology = pickle.loads(spec.payload)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(spec.store_path, spec.world_size),
-        rank=spec.rank,
-        world_size=spec.world_size,
-        timeout=timedelta(seconds=spec.timeout_s),
-    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(spec.store_path, spec.world_size),
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.timeout_s),
+        )
+    except RuntimeError as error:
+        raise RendezvousError(str(error)) from error
     mesh = build_mesh(topology or Topology(dp=spec.world_size), device_type="cpu")
     return pickle.dumps(_to_cpu(fn(mesh, *args, **kwargs)))
+
+
+class RendezvousError(RuntimeError):
+    """Gloo could not connect the ranks' default group (before the test body ran)."""
 
 
 def _destroy_default_group() -> None:
@@ -125,9 +132,10 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     try:
         _adopt_environment(spec)
         data = _run(spec)
-    except BaseException:
+    except BaseException as error:
         _flush_output()
-        conn.send(("error", traceback.format_exc()))
+        status = "rendezvous-error" if isinstance(error, RendezvousError) else "error"
+        conn.send((status, traceback.format_exc()))
         conn.close()
         _destroy_default_group()
         raise SystemExit(1) from None

@@ -27,8 +27,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deepshard.testing._errors import MeshTimeoutError, RankFailedError
-from deepshard.testing._function_ref import function_ref
+from deepshard.testing._errors import MeshTimeoutError, RankFailedError, RendezvousFailedError
+from deepshard.testing._function_ref import FunctionRef, function_ref
 from deepshard.testing._rank_main import RankSpec, rank_main
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ _PRELOAD = [
 # Extra time after ``timeout_s`` before the parent gives up, so that a collective that timed
 # out inside a rank is reported with its own traceback rather than as a bare deadline.
 _GRACE_S = 3.0
+# How many times a run whose gloo rendezvous failed is started (see run_on_mesh).
+_RENDEZVOUS_ATTEMPTS = 3
 # How long a terminated rank gets to exit before it is killed.
 _TERMINATE_WAIT_S = 2.0
 
@@ -123,6 +125,8 @@ def _collect(ranks: list[_Rank], deadline: float, timeout_s: float) -> list[Any]
                 r.process.join(_TERMINATE_WAIT_S)
                 raise RankFailedError(rank, exitcode=r.process.exitcode, child_traceback=None)
             status, body = message
+            if status == "rendezvous-error":
+                raise RendezvousFailedError(rank, exitcode=None, child_traceback=body)
             if status == "error":
                 raise RankFailedError(rank, exitcode=None, child_traceback=body)
             results[rank] = pickle.loads(body)
@@ -196,7 +200,9 @@ def run_on_mesh(
         The value ``fn`` returned on each rank, in rank order; tensors come back on CPU.
 
     Raises:
-        RankFailedError: A rank raised (its traceback is in the message) or died.
+        RankFailedError: A rank raised (its traceback is in the message) or died. A failure of
+            gloo's rendezvous itself (before ``fn`` ran anywhere) is retried twice with a fresh
+            store first.
         MeshTimeoutError: Some ranks did not finish in time (they are named).
         ConfigError: ``fn`` is not module-level, or an argument is out of range.
         TopologyError: ``topology`` does not fit ``world_size``.
@@ -204,6 +210,26 @@ def run_on_mesh(
     _check_arguments(world_size, topology, timeout_s)
     ref = function_ref(fn)
     payload = pickle.dumps((tuple(args), dict(kwargs or {}), topology))
+    for attempt in range(1, _RENDEZVOUS_ATTEMPTS + 1):
+        try:
+            return _run_once(ref, world_size, payload, timeout_s, store_dir)
+        except RendezvousFailedError as error:
+            # A gloo TCP handshake broken by the host (seen on loaded CI machines: "Connection
+            # closed by peer" inside init_process_group). No test code has run yet, so a fresh
+            # run with a new store is safe; a persistent failure still fails the test.
+            if attempt == _RENDEZVOUS_ATTEMPTS:
+                raise
+            print(f"run_on_mesh: rendezvous failed ({error}); running again", file=sys.stderr)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run_once(
+    ref: FunctionRef,
+    world_size: int,
+    payload: bytes,
+    timeout_s: float,
+    store_dir: str | os.PathLike[str] | None,
+) -> list[Any]:
     env = dict(os.environ)
     with _run_dir(store_dir) as run_dir:
         specs = [

@@ -36,7 +36,6 @@ from deepshard.comm import CommsLogger
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._precision import Precision
 from deepshard.engine._reporting import ProgressReporter, TensorBytes, tensor_bytes
-from deepshard.engine._zero_wiring import BoundaryGate
 from deepshard.engine.loss_scaler import LossScaler
 from deepshard.interface import BatchSizes, DeepShardConfig
 from deepshard.interface.errors import ConfigError
@@ -95,11 +94,10 @@ class DeepShardEngine(torch.nn.Module):
         self.comms_logger = parts.comms_logger
         self.mesh = parts.mesh
         self.device = parts.device
-        self._gate = BoundaryGate(parts.optimizer) if parts.optimizer is not None else None
         self._timers = parts.reporter.timers
         self._step_applied = False
         self._grad_norm: float | None = None
-        self._sync_gate()
+        self._declare_boundary()
 
     # --- the training loop ----------------------------------------------------------------
 
@@ -167,7 +165,7 @@ class DeepShardEngine(torch.nn.Module):
                 if self._step_applied and self.lr_scheduler is not None:
                     self.lr_scheduler.step()
         self.accumulation.advance(applied=self._step_applied)
-        self._sync_gate()
+        self._declare_boundary()
         if boundary:
             self.parts.reporter.end_step(
                 step=self.global_steps,
@@ -176,9 +174,11 @@ class DeepShardEngine(torch.nn.Module):
                 loss_scale=loss_scale,
             )
 
-    def _sync_gate(self) -> None:
-        if self._gate is not None:
-            self._gate.set(self.is_gradient_accumulation_boundary())
+    def _declare_boundary(self) -> None:
+        """Tell ZeRO whether the coming backward pass ends the accumulation cycle (so a plain
+        ``loss.backward()`` reduces exactly at the boundary)."""
+        if self.optimizer is not None:
+            self.optimizer.set_boundary(self.is_gradient_accumulation_boundary())
 
     def _require_optimizer(self, what: str) -> ZeroOptimizer:
         if self.optimizer is None:

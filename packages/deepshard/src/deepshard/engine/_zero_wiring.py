@@ -6,9 +6,8 @@ is the only one of them larger than 1, else those axes flattened into one.
 
 ZeRO reduces gradients *during* the backward pass that ends an accumulation cycle, from its
 parameter hooks, so it must know before the pass starts whether it is a boundary, also when the
-user calls ``loss.backward()`` directly. `BoundaryGate` keeps ZeRO in step with the engine's
-counter: between the cycle's first micro-step and its last it holds ZeRO's ``no_sync()`` open,
-so any backward pass in between only accumulates, and it releases it for the boundary's pass.
+user calls ``loss.backward()`` directly: the engine declares it after every micro-step with
+``ZeroOptimizer.set_boundary`` from its counter.
 
 Muon is not element-wise: its ``use_muon`` matrices need their whole reduced gradient. For a
 `deepshard.optimizers.Muon` the engine hands ZeRO a full-gradient transform (``muon_update``
@@ -18,7 +17,6 @@ their buckets whole and gives Muon the finished update (see `deepshard.zero.Full
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +28,7 @@ from deepshard.interface import DeepShardConfig, Topology, TopologyError
 from deepshard.optimizers import Muon, muon_update
 from deepshard.zero import ZeroOptimizer, build_zero_optimizer
 
-__all__ = ["BoundaryGate", "MeshRanks", "dense_dp_group", "wrap_with_zero"]
+__all__ = ["MeshRanks", "dense_dp_group", "wrap_with_zero"]
 
 
 def _axis_size(mesh: DeviceMesh, axis: str) -> int:
@@ -139,25 +137,3 @@ def _muon_transform(
 def _muon_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The parameters of Muon's ``use_muon`` groups (read before ZeRO re-points the groups)."""
     return [p for g in optimizer.param_groups if g.get("use_muon") for p in g["params"]]
-
-
-class BoundaryGate:
-    """Holds ZeRO's ``no_sync()`` open while the next backward pass is not a boundary.
-
-    Args:
-        zero: The ZeRO optimizer.
-    """
-
-    def __init__(self, zero: ZeroOptimizer) -> None:
-        self._zero = zero
-        self._held: contextlib.ExitStack | None = None
-
-    def set(self, boundary: bool) -> None:
-        """Declare whether the next backward pass ends an accumulation cycle."""
-        if boundary and self._held is not None:
-            self._held.close()
-            self._held = None
-        elif not boundary and self._held is None:
-            stack = contextlib.ExitStack()
-            stack.enter_context(self._zero.no_sync())
-            self._held = stack

@@ -62,6 +62,10 @@ class Adam(torch.optim.Optimizer):
         ConfigError: A hyperparameter out of range, ``amsgrad=True`` or an unknown ``impl``.
     """
 
+    zero_safe = True
+    """The update is element-wise, so ZeRO may step flat partitions of it (`AdamW` and
+    `CPUAdam` inherit this)."""
+
     def __init__(
         self,
         params: ParamsT,

@@ -61,6 +61,9 @@ class Lion(torch.optim.Optimizer):
         ConfigError: A hyperparameter out of range or an unknown ``impl``.
     """
 
+    zero_safe = True
+    """The update is element-wise, so ZeRO may step flat partitions of it."""
+
     def __init__(
         self,
         params: ParamsT,

@@ -5,7 +5,16 @@ the model keeps its ``nn.Parameter`` objects, hooks and names, and every update 
 is an update of the model. This rank's fp32 master partition is cut from the buffer; after the
 optimizer step the updated partitions come back in bulk: copied (one partition, stage 0) or
 all-gathered from every rank (stages 1-2), straight into the buffer where a call covers exactly
-one bucket, through a staging tensor otherwise.
+one bucket, through a staging tensor otherwise. An fp32 buffer that is not partitioned (stage 0,
+or a group of one rank) *is* its own master: the optimizer steps the parameters in place, with
+no second copy and nothing to copy back.
+
+The inner optimizer sees a master partition as views of at most `MASTER_VIEW_NUMEL` elements
+(`master_views`). For an element-wise optimizer that changes nothing in the arithmetic, but it
+bounds the temporaries torch's optimizers allocate per tensor (``sqrt(v)``, the quotient...): a
+40 MB temporary is above glibc's largest ``mmap`` threshold (32 MB), so it would be mapped and
+page-faulted afresh at every step (48 ms for AdamW on 10.5M elements on one core, against 14 ms
+in 1 MB views that stay in the heap and in cache).
 """
 
 from __future__ import annotations
@@ -20,7 +29,37 @@ from deepshard.interface.errors import ConfigError
 from deepshard.zero._group import Group
 from deepshard.zero.layout import FlatLayout, GatherCall, gather_copies, plan_flat_layout
 
-__all__ = ["FlatParams", "common_dtype_and_device", "flatten_param_groups"]
+__all__ = [
+    "MASTER_VIEW_NUMEL",
+    "FlatParams",
+    "common_dtype_and_device",
+    "flatten_param_groups",
+    "master_views",
+]
+
+MASTER_VIEW_NUMEL = 1 << 18
+"""Most elements of one master view the inner optimizer steps (1 MiB of fp32)."""
+
+
+def master_views(
+    master: torch.Tensor, max_numel: int | None
+) -> list[tuple[torch.Tensor, int, int]]:
+    """``master`` cut into consecutive views of at most ``max_numel`` elements.
+
+    Args:
+        master: A 1-D master partition.
+        max_numel: The most elements per view (a multiple of the alignment keeps every view
+            aligned); ``None`` for the whole partition as one tensor.
+
+    Returns:
+        ``(view, lo, hi)``: each view and its ``[lo, hi)`` range of ``master``; ``master`` itself
+        when it fits in one view.
+    """
+    numel = master.numel()
+    if max_numel is None or numel <= max_numel:
+        return [(master, 0, numel)]
+    bounds = [(lo, min(lo + max_numel, numel)) for lo in range(0, numel, max_numel)]
+    return [(master[lo:hi], lo, hi) for lo, hi in bounds]
 
 
 def common_dtype_and_device(
@@ -76,8 +115,13 @@ class FlatParams:
                 param.data = view
 
     def master_partition(self, rank: int) -> torch.Tensor:
-        """A fresh fp32 copy of partition ``rank``: its chunk of every bucket, back to back."""
+        """This rank's fp32 master: its chunk of every bucket, back to back.
+
+        A fresh copy, except for an unpartitioned fp32 buffer, which is its own master.
+        """
         layout = self.layout
+        if layout.world_size == 1 and self.buffer.dtype == torch.float32:
+            return self.buffer
         master = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.buffer.device)
         for bucket in layout.buckets:
             chunk = layout.chunk_numel(bucket)
@@ -88,9 +132,11 @@ class FlatParams:
         return master
 
     def copy_from(self, master: torch.Tensor) -> None:
-        """Write the whole (unpartitioned, stage 0) master into the parameters."""
+        """Write the whole (unpartitioned, stage 0) master into the parameters (nothing to do
+        when the buffer is its own master)."""
         assert self.layout.world_size == 1, "copy_from is for an unpartitioned layout"
-        self.buffer.copy_(master)
+        if master is not self.buffer:
+            self.buffer.copy_(master)
 
     def gather_from(
         self,

@@ -37,10 +37,10 @@ them, plus the straddlers; all of them at stage 0).
 transformed group the inner optimizer does not get one flat master per group but one 1-D view of
 the master per parameter piece this rank holds, so every tensor it steps belongs to exactly one
 parameter and ``full_shape`` can answer with that parameter's real shape: a Muon ``use_muon``
-group accepts the views as matrices, and a view's gradient is the finished update. A flat master
-of an ordinary group covers pieces of several parameters and has no single layer shape:
-``full_shape`` returns ``None`` for it, so an optimizer treats it as 1-D, i.e. element-wise,
-which is how ZeRO steps it.
+group accepts the views as matrices, and a view's gradient is the finished update. An ordinary
+group's master (whole, or cut into bounded views, `deepshard.zero._flat_params.master_views`)
+covers pieces of several parameters and has no single layer shape: ``full_shape`` returns
+``None`` for it, so an optimizer treats it as 1-D, i.e. element-wise, which is how ZeRO steps it.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from typing import Any, TypeAlias
 import torch
 
 from deepshard.interface.errors import CheckpointError, ConfigError
+from deepshard.zero._flat_params import master_views
 from deepshard.zero._shards import ParamShard
 from deepshard.zero.layout import FlatLayout, ParamSlot
 
@@ -135,6 +136,8 @@ class FullGradTransforms:
         masters: Every group's fp32 master partition on this rank.
         names: Every group's parameter names, in layout order.
         rank: This rank's partition index (0 when unpartitioned).
+        view_numel: Most elements of a view of an untransformed group's master (`master_views`);
+            ``None`` steps each such master whole.
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class FullGradTransforms:
         masters: Sequence[torch.Tensor],
         names: Sequence[Sequence[str]],
         rank: int,
+        view_numel: int | None = None,
     ) -> None:
         assert transform is not None or not any(flags), "selected groups need a transform"
         self._transform = transform
@@ -161,7 +165,7 @@ class FullGradTransforms:
         self._shapes: dict[int, tuple[int, ...]] = {}
         for g, master in enumerate(masters):
             if not self.flags[g]:
-                self.views.append([(master, 0, master.numel())])
+                self.views.append(master_views(master, view_numel))
                 continue
             group_views = []
             for t in (t for t in self._targets if t.group_index == g):
@@ -184,6 +188,7 @@ class FullGradTransforms:
         masters: Sequence[torch.Tensor],
         rank: int,
         param_groups: Sequence[MutableMapping[str, Any]],
+        view_numel: int | None = None,
     ) -> FullGradTransforms:
         """Select the groups, and point the inner optimizer's transformed groups at the views.
 
@@ -196,6 +201,7 @@ class FullGradTransforms:
             masters: Every group's master partition on this rank.
             rank: This rank's partition index.
             param_groups: The inner optimizer's param groups, changed in place.
+            view_numel: As for the constructor.
 
         Raises:
             ConfigError: As `selected_groups`.
@@ -204,7 +210,7 @@ class FullGradTransforms:
         names: list[list[str]] = [[] for _ in params]
         for shard in shards:
             names[shard.group_index].append(shard.name)
-        full = cls(transform, flags, layouts, masters, names, rank)
+        full = cls(transform, flags, layouts, masters, names, rank, view_numel)
         for g, param_group in enumerate(param_groups):
             param_group["params"] = full.inner_params(g)
         return full

@@ -1,10 +1,12 @@
-"""Which inner optimizers ZeRO may wrap.
+"""Which inner optimizers ZeRO may wrap, and how it cuts their tensors.
 
-ZeRO hands the inner optimizer one flat 1-D fp32 tensor per param group: this rank's partition,
-where parameters are cut at arbitrary element boundaries. That is equivalent to stepping the
-original parameters only for an *element-wise* optimizer: one whose update of an element
-depends on that element's gradient and state alone (Adam, AdamW, SGD, Adagrad, Lion...), never
-on the parameter's shape or on other elements (Muon, Shampoo, LAMB's per-tensor trust ratio).
+ZeRO hands the inner optimizer 1-D fp32 tensors: this rank's partition of each param group, where
+parameters are cut at arbitrary element boundaries, itself cut into views of at most 1 MiB (see
+`deepshard.zero._flat_params`; an optimizer merely allowed as untested gets each partition whole,
+as one tensor). That is equivalent to stepping the original parameters only for an
+*element-wise* optimizer: one whose update of an element depends on that element's gradient and
+state alone (Adam, AdamW, SGD, Adagrad, Lion...), never on the parameter's shape or on other
+elements (Muon, Shampoo, LAMB's per-tensor trust ratio).
 
 An optimizer class declares itself safe with a class attribute::
 
@@ -21,8 +23,9 @@ from __future__ import annotations
 import torch
 
 from deepshard.interface.errors import ConfigError
+from deepshard.zero._flat_params import MASTER_VIEW_NUMEL
 
-__all__ = ["ZERO_SAFE_ATTRIBUTE", "check_optimizer", "is_zero_safe"]
+__all__ = ["ZERO_SAFE_ATTRIBUTE", "check_optimizer", "is_zero_safe", "master_view_numel"]
 
 ZERO_SAFE_ATTRIBUTE = "zero_safe"
 """Class attribute that, set to ``True``, declares an optimizer element-wise (ZeRO-safe)."""
@@ -39,6 +42,18 @@ def is_zero_safe(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is known to be element-wise: a tested torch class or marked safe."""
     cls = type(optimizer)
     return cls in _TESTED or getattr(cls, ZERO_SAFE_ATTRIBUTE, False) is True
+
+
+def master_view_numel(optimizer: torch.optim.Optimizer, *, transformed: bool) -> int | None:
+    """The most elements per master view the inner optimizer steps.
+
+    Bounded views (`MASTER_VIEW_NUMEL`) for an optimizer known to be element-wise, or one whose
+    non-element-wise groups a full-gradient transform handles (``transformed``): cutting is
+    exact for them. ``None`` (whole partitions) for one merely allowed as untested, which then
+    sees what it always saw.
+    """
+    elementwise = is_zero_safe(optimizer) or transformed
+    return MASTER_VIEW_NUMEL if elementwise else None
 
 
 def check_optimizer(optimizer: object, *, allow_untested: bool) -> None:

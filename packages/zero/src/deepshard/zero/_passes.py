@@ -3,7 +3,10 @@
 A pass starts when the first parameter of the model receives its gradient (a hook) and ends in
 an autograd end-of-pass callback queued at that moment, so a plain ``loss.backward()`` is
 enough. Whether the pass is the *boundary* (the last micro-step before the optimizer step) is
-said beforehand: ``run(loss, is_boundary=...)``, or ``no_sync()`` around passes that are not.
+said beforehand, in one of three ways, the first that applies winning: inside ``no_sync()`` a
+pass never is; ``run(loss, is_boundary=...)`` says it for its own pass; otherwise the standing
+flag `boundary` (true until changed) does, which is how an engine that counts micro-steps keeps
+plain ``loss.backward()`` calls in step with its accumulation cycle.
 After the boundary pass the reduced gradients are *ready*: a step (or ``zero_grad``) must
 consume them before the next pass.
 
@@ -38,7 +41,9 @@ class BackwardPasses:
     def __init__(self, store: GradientStore, *, ignore_unused_parameters: bool) -> None:
         self._store = store
         self._ignore_unused = ignore_unused_parameters
-        self._next_boundary = True
+        self.boundary = True
+        """Whether passes not run through `run` end an accumulation cycle."""
+        self._run_boundary: bool | None = None
         self._no_sync_depth = 0
         self._open = False
         self._boundary = False
@@ -95,17 +100,17 @@ class BackwardPasses:
         if slot.numel:
             self._store.add(group_index, slot, grad)
 
-    def run(self, loss: torch.Tensor, *, is_boundary: bool, retain_graph: bool) -> None:
-        """``loss.backward()`` as a pass with the given boundary flag."""
+    def run(self, loss: torch.Tensor, *, is_boundary: bool | None, retain_graph: bool) -> None:
+        """``loss.backward()`` as a pass with the given boundary flag (``None``: `boundary`)."""
         count = self._count
-        self._next_boundary = is_boundary
+        self._run_boundary = is_boundary
         try:
             loss.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
             if self._count == count:  # no hook fired on this rank
                 self._begin()
                 self._end()
         finally:
-            self._next_boundary = True
+            self._run_boundary = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -122,7 +127,8 @@ class BackwardPasses:
                 "a backward pass followed the accumulation boundary before step(): call step() "
                 "(or zero_grad() to drop the gradients) after the boundary's backward"
             )
-        self._boundary = self._next_boundary and self._no_sync_depth == 0
+        declared = self.boundary if self._run_boundary is None else self._run_boundary
+        self._boundary = declared and self._no_sync_depth == 0
         self._store.begin(boundary=self._boundary)
         self._open = True
         self._count += 1

@@ -5,8 +5,22 @@ global ``p``-norm is ``(Σ_ranks Σ_tensors ||g||_p^p)^(1/p)``, and the ``inf``-
 of the ranks' maxima, so each rank reduces its tensors to one number and one all-reduce (sum,
 resp. max) combines them. A second number travels in the same all-reduce: whether this rank saw
 a non-finite value. It is kept apart from the norm itself because a maximum over a NaN is not
-reliably NaN on every backend. Sums are taken in fp64, as DeepSpeed does, except on devices
-without fp64 (MPS), where fp32 is used.
+reliably NaN on every backend.
+
+**Precision.** A 2-norm (the default) or a 1-norm is taken in two levels: every run of
+`NORM_BLOCK` (1024) consecutive elements is reduced in fp32 (``vector_norm`` over the rows of a
+``[k, 1024]`` view, no copy for fp32 gradients), and the blocks' ``||·||_p^p`` are accumulated
+in fp64 (fp32 on devices without fp64, MPS). So the error is that of one 1024-element fp32
+reduction, whatever the gradient's length: at most about ``1024 · 2^-24 ≈ 6e-5`` relative (the
+bound for summing 1024 terms in any order), ``1e-11 .. 1e-8`` measured on gradient-like data,
+where one fp32 reduction over a whole 2M-element gradient is off by ``3e-7 .. 2e-4``. It is not
+the fp64 sum of every element that DeepSpeed takes (it casts each gradient to fp64 first: for
+10M elements an 80 MB copy and ~30x the time); it needs no cast at all. Should a block overflow
+fp32 although its values are finite (a 2-norm over elements near ``1e18``), the local sum is
+recomputed with every element in fp64 before the overflow flag is set. Other orders take every
+element in fp64 (torch's fp32 ``|x|^p`` reductions are too coarse for blocks); the ``inf``-norm
+is a maximum, exact in any dtype. Gradients are processed `NORM_CHUNK` elements at a time, so
+no temporary grows with the model.
 
 When every rank already holds the same, fully reduced gradients (stage 0), no collective is
 needed: pass ``group=None``.
@@ -25,10 +39,28 @@ from deepshard.comm import CommsLogger, all_reduce
 from deepshard.interface.errors import ConfigError
 from deepshard.zero._group import Group
 
-__all__ = ["GradNorm", "check_norm_type", "global_grad_norm", "grad_overflow", "scale_factor"]
+__all__ = [
+    "NORM_BLOCK",
+    "NORM_CHUNK",
+    "GradNorm",
+    "check_norm_type",
+    "global_grad_norm",
+    "grad_overflow",
+    "scale_factor",
+]
 
 CLIP_EPSILON = 1e-6
 """Added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` and DeepSpeed do."""
+
+NORM_BLOCK = 1024
+"""Elements reduced in fp32 before the fp64 sum (see the module docstring)."""
+
+BLOCKED_NORM_TYPES = (1.0, 2.0)
+"""Orders taken in fp32 blocks; torch's fp32 reductions for other orders (``|x|^p`` through
+``pow``) are too coarse for that, so they take every element in fp64."""
+
+NORM_CHUNK = 1 << 20
+"""Most elements of a gradient processed by one operation, bounding every temporary."""
 
 
 @dataclass(frozen=True)
@@ -60,18 +92,55 @@ def _norm_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def _chunks(tensor: torch.Tensor) -> list[torch.Tensor]:
+    flat = tensor.reshape(-1)
+    return [flat[lo : lo + NORM_CHUNK] for lo in range(0, flat.numel(), NORM_CHUNK)]
+
+
+def _block_powers(chunk: torch.Tensor, p: float) -> list[torch.Tensor]:
+    """fp32 ``p``-norms of the chunk's consecutive `NORM_BLOCK`-element blocks (1-D)."""
+    whole = chunk.numel() // NORM_BLOCK * NORM_BLOCK
+    parts = []
+    if whole:
+        rows = chunk[:whole].view(-1, NORM_BLOCK)
+        parts.append(torch.linalg.vector_norm(rows, p, dim=1, dtype=torch.float32))
+    if whole < chunk.numel():
+        tail = torch.linalg.vector_norm(chunk[whole:], p, dtype=torch.float32)
+        parts.append(tail.reshape(1))
+    return parts
+
+
+def _sum_of_powers(tensors: Sequence[torch.Tensor], p: float, dtype: torch.dtype) -> torch.Tensor:
+    """``Σ ||t||_p^p``: fp32 within blocks, ``dtype`` across them."""
+    blocks = [b for t in tensors for chunk in _chunks(t) for b in _block_powers(chunk, p)]
+    return torch.cat(blocks).to(dtype).pow(p).sum()
+
+
+def _exact_sum_of_powers(
+    tensors: Sequence[torch.Tensor], p: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``Σ ||t||_p^p`` with every element in ``dtype`` (the path for fp32 overflow)."""
+    norms = [torch.linalg.vector_norm(c, p, dtype=dtype) for t in tensors for c in _chunks(t)]
+    return torch.stack(norms).pow(p).sum()
+
+
 def _local_stats(
     tensors: Sequence[torch.Tensor], norm_type: float, device: torch.device
 ) -> torch.Tensor:
     """``[Σ ||t||_p^p (or max |t|), 1.0 if that is not finite]``, in the norm dtype."""
     dtype = _norm_dtype(device)
-    norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in tensors if t.numel()]
-    if not norms:
+    present = [t for t in tensors if t.numel()]
+    if not present:
         value = torch.zeros((), dtype=dtype, device=device)
     elif math.isinf(norm_type):
-        value = torch.stack(norms).max()
+        maxima = [torch.linalg.vector_norm(c, norm_type) for t in present for c in _chunks(t)]
+        value = torch.stack(maxima).max().to(dtype)
+    elif norm_type in BLOCKED_NORM_TYPES:
+        value = _sum_of_powers(present, norm_type, dtype)
+        if not bool(torch.isfinite(value)):  # a non-finite value, or an fp32 block overflowed
+            value = _exact_sum_of_powers(present, norm_type, dtype)
     else:
-        value = torch.stack(norms).pow(norm_type).sum()
+        value = _exact_sum_of_powers(present, norm_type, dtype)
     flag = (~torch.isfinite(value)).to(dtype)
     return torch.stack([value, flag])
 
@@ -131,7 +200,8 @@ def grad_overflow(
     """
     flag = torch.zeros(1, dtype=torch.float32, device=_device(tensors, device))
     for tensor in tensors:
-        flag += (~torch.isfinite(tensor)).any()
+        for chunk in _chunks(tensor):
+            flag += (~torch.isfinite(chunk)).any()
     flag.clamp_(max=1.0)
     if group is not None:
         all_reduce(flag, group=group, op="max", logger=logger, log_name="zero_grad_overflow")

@@ -4,11 +4,13 @@ What happens to a model under data parallelism over a group of ``W`` ranks:
 
 1. **Construction.** Each param group's trainable parameters move into one flat, 16-byte
    aligned buffer (`deepshard.zero.layout`), cut into buckets of ``reduce_bucket_size``
-   elements. This rank's fp32 *master* copy is its partition of the buffer (stages 1-2: its chunk
-   of every bucket, ``1/W`` of the group; stage 0: everything), and the inner optimizer's
-   param group is re-pointed at it: the inner optimizer only ever sees masters, so its state is
-   partitioned too, while group hyper-parameters (``lr``, ``weight_decay``...) stay where an LR
-   scheduler finds them, in ``param_groups``.
+   elements (at most 4M on CPU, `deepshard.zero._settings`). This rank's fp32 *master* copy is
+   its partition of the buffer (stages 1-2: its chunk of every bucket, ``1/W`` of the group;
+   stage 0: everything, and for an fp32 model the buffer itself), and the inner optimizer's
+   param group is re-pointed at it, in views of at most 1 MiB (`deepshard.zero._flat_params`):
+   the inner optimizer only ever sees masters, so its state is partitioned too, while group
+   hyper-parameters (``lr``, ``weight_decay``...) stay where an LR scheduler finds them, in
+   ``param_groups``.
 2. **Backward.** A post-accumulate-grad hook hands each gradient to a gradient store
    (`deepshard.zero._gradients`) and frees ``param.grad``. Stage 0 all-reduces and stage 1
    reduce-scatters the buckets during the backward pass that ends a gradient-accumulation cycle
@@ -19,8 +21,8 @@ What happens to a model under data parallelism over a group of ``W`` ranks:
    all-reduce (none at stage 0, whose gradients are already identical everywhere). On overflow
    the step is skipped: masters, inner state and parameters stay untouched. Otherwise the
    gradients are unscaled and clipped by one factor, the inner optimizer steps the masters,
-   and the updated masters come back into the model: copied at stage 0, all-gathered in
-   ``allgather_bucket_size`` calls at stages 1-2.
+   and the updated masters come back into the model: copied at stage 0 (nothing to copy when
+   the buffer is its own master), all-gathered in ``allgather_bucket_size`` calls at stages 1-2.
 
 A *full-gradient transform* (Muon's Newton–Schulz) sees the whole reduced gradient of every
 parameter of the param groups it is given, at the step, before the norm; its update replaces
@@ -28,7 +30,8 @@ the gradient (`deepshard.zero._full_grads`), and `full_shape` tells the inner op
 real shape of what it steps (`deepshard.interface.ParamShapes`).
 
 Loss scaling, the accumulation counter and the forward pass belong to the caller (the engine):
-it passes ``is_boundary`` to `ZeroOptimizer.backward` and the loss scale to `ZeroOptimizer.step`.
+it declares which backward pass ends an accumulation cycle (`ZeroOptimizer.set_boundary`, or
+``is_boundary`` of `ZeroOptimizer.backward`) and passes the loss scale to `ZeroOptimizer.step`.
 """
 
 from __future__ import annotations
@@ -52,9 +55,9 @@ from deepshard.zero._gradients import (
     StoreSettings,
 )
 from deepshard.zero._group import Group, resolve_group
-from deepshard.zero._optimizer_check import check_optimizer
+from deepshard.zero._optimizer_check import check_optimizer, master_view_numel
 from deepshard.zero._passes import BackwardPasses
-from deepshard.zero._settings import check_zero_settings
+from deepshard.zero._settings import check_zero_settings, message_sizes
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
 from deepshard.zero._step import NormSettings, StepResult, checked_norm, step_inner
@@ -83,8 +86,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             must be element-wise (see `deepshard.zero.is_zero_safe`) unless
             ``zero_allow_untested_optimizer``.
         group: The data-parallel group (a ProcessGroup or a 1-D mesh such as ``mesh["dp"]``).
-        config: The ``zero_optimization`` section. Read: ``stage`` (0-2), ``reduce_bucket_size``,
-            ``allgather_bucket_size``, ``overlap_comm`` (stage 2; stages 0-1 always overlap),
+        config: The ``zero_optimization`` section. Read: ``stage`` (0-2), ``reduce_bucket_size``
+            and ``allgather_bucket_size`` (at most 4M elements for CPU parameters, see
+            `deepshard.zero._settings`), ``overlap_comm`` (stage 2; stages 0-1 always overlap),
             ``reduce_scatter``, ``compute_grad_norm``, ``ignore_unused_parameters``. Gradients are
             always contiguous and parameters always 16-byte aligned (``contiguous_gradients``,
             ``parameter_alignment``); offload and stage-3 keys are refused or unused.
@@ -140,16 +144,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         partitioned = self.config.stage >= 1
         self._partitions = self._group.size() if partitioned else 1
         self._partition_rank = self._group.rank() if partitioned else 0
+        bucket_numel, gather_numel = message_sizes(self.config, optimizer.param_groups)
         flat = flatten_param_groups(
             optimizer.param_groups,
             world_size=self._partitions,
             rank=self._partition_rank,
-            bucket_numel=self.config.reduce_bucket_size,
+            bucket_numel=bucket_numel,
         )
         self._params, self._flat, self._masters, self._device = flat
         self._gather_calls = [
-            plan_gather_calls(f.layout, max_numel=self.config.allgather_bucket_size)
-            for f in self._flat
+            plan_gather_calls(f.layout, max_numel=gather_numel) for f in self._flat
         ]
         named = list(named_parameters)
         names = {id(param): name for name, param in named}
@@ -165,6 +169,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             masters=self._masters,
             rank=self._partition_rank,
             param_groups=optimizer.param_groups,
+            view_numel=master_view_numel(optimizer, transformed=full_grad_transform is not None),
         )
         settings = StoreSettings(
             self._device,
@@ -195,17 +200,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # --- backward passes ----------------------------------------------------------------
 
     def backward(
-        self, loss: torch.Tensor, *, is_boundary: bool = True, retain_graph: bool = False
+        self, loss: torch.Tensor, *, is_boundary: bool | None = None, retain_graph: bool = False
     ) -> None:
         """Run ``loss.backward()`` and reduce gradients as the stage requires.
 
-        A plain ``loss.backward()`` works as well (hooks do the work); this method adds the
-        boundary flag and handles a rank on which no parameter got a gradient.
+        A plain ``loss.backward()`` works as well (hooks do the work, with the flag of
+        `set_boundary`); this method adds a per-pass boundary flag and handles a rank on which
+        no parameter got a gradient.
 
         Args:
             loss: The (already loss-scaled) loss of one micro-batch.
             is_boundary: Whether the optimizer steps after this pass (the last micro-step of a
-                gradient-accumulation cycle). Forced false inside `no_sync`.
+                gradient-accumulation cycle); ``None`` uses the flag of `set_boundary` (true
+                unless changed). Forced false inside `no_sync`.
             retain_graph: Passed to ``backward``.
 
         Raises:
@@ -213,6 +220,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 `zero_grad`.
         """
         self._passes.run(loss, is_boundary=is_boundary, retain_graph=retain_graph)
+
+    def set_boundary(self, flag: bool) -> None:
+        """Declare whether the following backward passes end an accumulation cycle.
+
+        The flag stands until changed (it starts true) and applies to every pass, also a plain
+        ``loss.backward()``; `backward`'s ``is_boundary`` overrides it for its own pass, and
+        `no_sync` forces false. An engine sets it after every micro-step from its counter.
+
+        Args:
+            flag: True before the backward of the last micro-step of a cycle, else False.
+        """
+        self._passes.boundary = bool(flag)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate without ending the accumulation cycle.
@@ -247,6 +266,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "step() needs gradients reduced at an accumulation boundary: run a backward "
                 "pass with is_boundary=True (outside no_sync()) since the last step"
             )
+        norm, overflow = self._apply_gradients(loss_scale)
+        # the gradients are spent: free them (stage 1's partitions) before the all-gather
+        self._store.clear()
+        self._passes.consume()
+        if not overflow:
+            self._refresh_params()
+        return StepResult(overflow=overflow, grad_norm=norm)
+
+    def _apply_gradients(self, loss_scale: float) -> tuple[float | None, bool]:
+        """Check, clip and step the masters with this rank's gradients; ``(norm, overflow)``."""
         grads = self._store.partition_grads()
         group = self._group if self._partitions > 1 else None
         norm_settings = NormSettings(
@@ -261,10 +290,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not overflow:
             factor = scale_factor(norm, clip=self.gradient_clipping, loss_scale=loss_scale)
             step_inner(self.inner, self._full.views, grads, factor)
-            self._refresh_params()
-        self._store.clear()
-        self._passes.consume()
-        return StepResult(overflow=overflow, grad_norm=norm)
+        return norm, overflow
 
     def _refresh_params(self) -> None:
         for flat, master, calls in zip(self._flat, self._masters, self._gather_calls, strict=True):
@@ -331,7 +357,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def master_partitions(self) -> tuple[torch.Tensor, ...]:
-        """This rank's fp32 master partition of every param group."""
+        """This rank's fp32 master partition of every param group (for an unpartitioned fp32
+        group, the flat parameter buffer itself)."""
         return tuple(self._masters)
 
     def full_shape(self, param: object) -> tuple[int, ...] | None:
@@ -350,8 +377,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return inner + self._full.nbytes()
 
     def master_bytes(self) -> int:
-        """Bytes of fp32 master weights on this rank."""
-        return sum(m.numel() * m.element_size() for m in self._masters)
+        """Bytes of fp32 master weights on this rank beyond the parameters (an unpartitioned
+        fp32 group's master is its parameter buffer and counts 0)."""
+        separate = [m for m, f in zip(self._masters, self._flat, strict=True) if m is not f.buffer]
+        return sum(m.numel() * m.element_size() for m in separate)
 
     def gradient_bytes(self) -> int:
         """Bytes of gradient storage ZeRO holds on this rank right now."""

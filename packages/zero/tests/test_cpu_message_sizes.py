@@ -1,0 +1,71 @@
+"""On CPU (gloo) no bucket or all-gather call exceeds `CPU_MESSAGE_NUMEL`; other devices and
+smaller configured sizes keep the config's values.
+
+`message_sizes` is checked for CPU parameters and for parameters on the ``meta`` device (which
+stands for any accelerator: only ``cpu`` is capped). Then one ``run_on_mesh`` call on 2 ranks
+wraps a 4.5M-parameter model at stage 1 with DeepSpeed's default sizes (5e8), which would make
+it one bucket and one all-gather: it gets two buckets, each reduced and gathered by its own call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepshard.interface.config import ZeroConfig
+from deepshard.testing import run_on_mesh
+from deepshard.zero._settings import CPU_MESSAGE_NUMEL, message_sizes
+
+
+def _groups(device: str) -> list[dict[str, Any]]:
+    return [{"params": [torch.nn.Parameter(torch.empty(3, device=device))]}]
+
+
+def test_cpu_sizes_are_capped_and_others_kept() -> None:
+    default = ZeroConfig()
+    assert default.reduce_bucket_size > CPU_MESSAGE_NUMEL
+    assert message_sizes(default, _groups("cpu")) == (CPU_MESSAGE_NUMEL, CPU_MESSAGE_NUMEL)
+    small = ZeroConfig(reduce_bucket_size=1000, allgather_bucket_size=500)
+    assert message_sizes(small, _groups("cpu")) == (1000, 500)
+    expected = (default.reduce_bucket_size, default.allgather_bucket_size)
+    assert message_sizes(default, _groups("meta")) == expected
+
+
+def _messages(mesh: Any) -> dict[str, Any]:
+    from deepshard.comm import CommsLogger
+    from deepshard.interface.config import CommsLoggerConfig
+    from deepshard.zero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1500, 1500), torch.nn.Linear(1500, 1500))
+    logger = CommsLogger(CommsLoggerConfig(enabled=True))
+    zero = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters()),
+        group=mesh["dp"],
+        config=ZeroConfig(stage=1),
+        comms_logger=logger,
+    )
+    zero.backward(model(torch.randn(2, 1500)).square().mean())
+    zero.step()
+    [layout] = zero.layouts
+    messages: dict[str, list[int]] = {}
+    for record in logger.records:
+        messages.setdefault(record.op, []).append(record.msg_bytes)
+    return {
+        "numel": sum(p.numel() for p in model.parameters()),
+        "buckets": [b.numel for b in layout.buckets],
+        "messages": messages,
+    }
+
+
+def test_a_large_cpu_model_is_reduced_and_gathered_in_capped_messages(tmp_path: Path) -> None:
+    for result in run_on_mesh(_messages, 2, store_dir=tmp_path):
+        assert result["numel"] > CPU_MESSAGE_NUMEL
+        buckets = result["buckets"]
+        assert len(buckets) == 2 and all(numel <= CPU_MESSAGE_NUMEL for numel in buckets)
+        # one reduce-scatter and one all-gather per bucket, each moving exactly that bucket
+        messages = result["messages"]
+        assert sorted(messages["reduce_scatter_tensor"]) == sorted(4 * n for n in buckets)
+        assert sorted(messages["all_gather_into_tensor"]) == sorted(4 * n for n in buckets)

@@ -115,8 +115,8 @@ def _describe_failure(error: Exception, module_name: str) -> str:
     """Why the extension could not be loaded, in words a user can act on."""
     if isinstance(error, ModuleNotFoundError) and error.name == module_name:
         return (
-            f"{module_name} is not installed: the C++ build failed or was skipped when "
-            "deepshard-kernels was installed, so the package was installed without it (the "
-            "install log shows the build error)"
+            f"{type(error).__name__}: {module_name} is not installed: the C++ build failed or "
+            "was skipped when deepshard-kernels was installed, so the package was installed "
+            "without it (the install log shows the build error)"
         )
     return f"{type(error).__name__}: {error}"

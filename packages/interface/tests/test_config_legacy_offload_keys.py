@@ -60,7 +60,7 @@ def test_cpu_offload_on_becomes_optimizer_offload_to_cpu() -> None:
     assert zero.offload_optimizer.device == "cpu"
     assert zero.offload_optimizer.pin_memory is True  # the section's (and DeepSpeed's) default
     assert messages == [
-        'zero_optimization.cpu_offload is deprecated (an old DeepSpeed spelling); read as '
+        "zero_optimization.cpu_offload is deprecated (an old DeepSpeed spelling); read as "
         '"offload_optimizer": {"device": "cpu"}; write that instead'
     ]
 

@@ -34,9 +34,7 @@ PIN_MEMORY_SWITCH = "cpu_offload_use_pin_memory"
 _SECTION = "zero_optimization"
 
 
-def _switch_value(
-    data: dict[str, Any], key: str, problems: list[tuple[str, str]]
-) -> bool | None:
+def _switch_value(data: dict[str, Any], key: str, problems: list[tuple[str, str]]) -> bool | None:
     """Pops an old switch: its boolean, or None for null (DeepSpeed's "not set")."""
     value = data.pop(key)
     if value is None or isinstance(value, bool):

@@ -11,7 +11,9 @@ plain parameters and param groups route as DeepSpeed's engine routes them (it ta
 parameter of the model with ``use_muon`` from its name and shape): matrices to Muon,
 embeddings, ``lm_head`` and 1-D parameters to the auxiliary Adam. The flag lives in Muon's own
 name mapping and groups, never on the parameters. A group's ``use_muon`` key sets its half
-for all of its parameters (the way to route a single parameter by hand).
+for all of its parameters, the way to route a single parameter by hand. (DeepSpeed's engine
+drops a group's ``use_muon`` and re-tags every model parameter by the rule; only parameters
+outside the model keep a flag the caller set on them, which here is the group's flag.)
 """
 
 from __future__ import annotations

@@ -66,6 +66,10 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
         },
         "zero_optimization.offload_optimizer",
     ),
+    "optimizer offload in an old config's spelling": (
+        {**_BATCH, "optimizer": _ADAM, "zero_optimization": {"stage": 2, "cpu_offload": True}},
+        "zero_optimization.offload_optimizer",
+    ),
     "caller-marked boundaries": (
         {**_BATCH, "optimizer": _ADAM, "managed_gradient_accumulation": False},
         "managed_gradient_accumulation",
@@ -110,6 +114,9 @@ def _all_cases(mesh: Any) -> dict[str, Any]:
     model = torch.nn.Linear(3, 2)
     allowed = {**_BATCH, "zero_allow_untested_optimizer": True}
     ds.initialize(model, allowed, optimizer=torch.optim.RMSprop(model.parameters()), mesh=mesh)
+    # An old config's offload switches that are off offload nothing: it runs.
+    legacy = {"stage": 2, "cpu_offload": False, "cpu_offload_param": False}
+    ds.initialize(model, {**_BATCH, "optimizer": _ADAM, "zero_optimization": legacy}, mesh=mesh)
     return found
 
 

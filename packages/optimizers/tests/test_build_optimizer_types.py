@@ -65,6 +65,22 @@ def test_lion_muon_and_torch_names() -> None:
     assert type(adagrad) is torch.optim.Adagrad
 
 
+def test_muon_routes_plain_parameters_by_the_names_given() -> None:
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(6, 4), "proj": torch.nn.Linear(4, 4)})
+    names = dict(model.named_parameters())
+    muon = build_optimizer(_config("Muon"), model.parameters(), names=names)
+    routed = {n: g["use_muon"] for g in muon.param_groups for n, p in names.items()
+              if any(p is q for q in g["params"])}  # fmt: skip
+    assert routed == {"embed.weight": False, "proj.weight": True, "proj.bias": False}
+    stray = torch.nn.Parameter(torch.zeros(3, 3))  # a matrix the names do not cover
+    with pytest.raises(ConfigError, match="use_muon"):
+        build_optimizer(_config("Muon"), [*model.parameters(), stray], names=names)
+    # Other types take the same argument and ignore it.
+    assert type(build_optimizer(_config("SGD", lr=0.1), model.parameters(), names=names)) is (
+        torch.optim.SGD
+    )
+
+
 def test_every_built_optimizer_steps() -> None:
     for type_name in ("Adam", "AdamW", "Lion", "Muon", "SGD", "Adagrad", "RMSprop"):
         model = _model()

@@ -8,6 +8,7 @@ smooth symmetric cycle, stair lengths for the staircase, and the decay factors
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import pytest
 import torch
@@ -131,7 +132,49 @@ def test_per_group_bounds_cycle_each_group() -> None:
         assert schedule.get_last_lr() == pytest.approx(lrs, rel=1e-12)
         assert [g["betas"][0] for g in optimizer.param_groups] == pytest.approx(moms, rel=1e-12)
         assert [g["betas"][1] for g in optimizer.param_groups] == [0.95, 0.95]
-        assert schedule.get_mom() == pytest.approx(moms, rel=1e-12)
+        pairs = cast(list[tuple[float, float]], schedule.get_mom())
+        assert [beta2 for _, beta2 in pairs] == [0.95, 0.95]
+        assert [beta1 for beta1, _ in pairs] == pytest.approx(moms, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_get_mom_answers_in_the_form_the_groups_keep_momentum(kind: str) -> None:
+    """Adam-like groups: ``(beta1, beta2)`` pairs, as DeepSpeed's get_mom returns; SGD: values.
+
+    Expected values: a 4-up, 4-down smooth cycle (scale ``c/4`` up, ``(8-c)/4`` down at batch
+    offset ``c``), then the decay factor ``1 + rate * d / size``; beta2 is the user's 0.98.
+    """
+    m_low, m_high, rate, size = 0.8, 0.9, 0.1, 2
+    groups = [{"params": _params()}, {"params": _params()}]
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.Adam(groups, lr=0.1, betas=(0.5, 0.98))
+        if kind == "adam"
+        else torch.optim.SGD(groups, lr=0.1, momentum=0.5)
+    )
+    schedule = OneCycle(optimizer, 0.01, 0.1, cycle_first_step_size=4, decay_step_size=size,
+                        cycle_min_mom=m_low, cycle_max_mom=m_high, decay_mom_rate=rate)  # fmt: skip
+    for i in range(-1, 14):
+        if i >= 0:
+            schedule.step()
+        batches = i + 1
+        if i < 0:
+            expected = m_low
+        elif i < 8:
+            scale = batches / 4 if batches <= 4 else (8 - batches) / 4
+            expected = m_high - (m_high - m_low) * scale
+        else:
+            expected = m_high * (1 + rate * (i - 8 + 1) / size)
+        got = schedule.get_mom()
+        assert got is not None and len(got) == 2
+        if kind == "adam":
+            pairs = cast(list[tuple[float, float]], got)
+            assert all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs)
+            assert [beta2 for _, beta2 in pairs] == [0.98, 0.98]
+            assert [beta1 for beta1, _ in pairs] == pytest.approx([expected] * 2, rel=1e-12)
+            assert [tuple(g["betas"]) for g in optimizer.param_groups] == pairs  # as written
+        else:
+            assert got == pytest.approx([expected] * 2, rel=1e-12)
+            assert [g["momentum"] for g in optimizer.param_groups] == got
 
 
 def test_momentum_off_or_unsupported_leaves_momentum_alone() -> None:

@@ -5,6 +5,15 @@ object or a callable that builds one from the parameters, a schedule object or a
 builds one from the (ZeRO-wrapped) optimizer. The config's ``optimizer`` and ``scheduler``
 sections are used only when the caller passes nothing; a section the caller overrides is
 ignored with a warning.
+
+A config naming Muon gets the module's parameter names along with ``model_parameters``, so
+plain parameters and param groups route as DeepSpeed's engine routes them (it tags every
+parameter of the model with ``use_muon`` from its name and shape): matrices to Muon,
+embeddings, ``lm_head`` and 1-D parameters to the auxiliary Adam. The flag lives in Muon's own
+name mapping and groups, never on the parameters. A group's ``use_muon`` key sets its half
+for all of its parameters, the way to route a single parameter by hand. (DeepSpeed's engine
+drops a group's ``use_muon`` and re-tags every model parameter by the rule; only parameters
+outside the model keep a flag the caller set on them, which here is the group's flag.)
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ def select_optimizer(
     optimizer: OptimizerArg,
     params: Iterable[Any],
     config: DeepShardConfig,
+    *,
+    module: torch.nn.Module | None = None,
 ) -> torch.optim.Optimizer | None:
     """The optimizer ZeRO will wrap.
 
@@ -49,6 +60,7 @@ def select_optimizer(
         optimizer: The caller's optimizer, a callable building one, or None.
         params: ``model_parameters`` (parameters or param groups), or the module's parameters.
         config: The whole config; its ``optimizer`` section is built when ``optimizer`` is None.
+        module: The model; its parameter names route a config-built Muon's parameters.
 
     Returns:
         The optimizer; None when neither the caller nor the config gives one (the engine then
@@ -71,7 +83,8 @@ def select_optimizer(
         return built
     if config.optimizer is None:
         return None
-    return build_optimizer(config.optimizer, params)
+    names = dict(module.named_parameters()) if module is not None else None
+    return build_optimizer(config.optimizer, params, names=names)
 
 
 def default_parameters(module: torch.nn.Module, config: DeepShardConfig) -> Iterable[Any]:

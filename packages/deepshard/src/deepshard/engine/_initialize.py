@@ -212,7 +212,7 @@ def initialize(
     precision.cast_model(model, device)
     comms = _comms_logger(parsed, ranks.global_rank)
     params = default_parameters(model, parsed) if model_parameters is None else model_parameters
-    base = select_optimizer(optimizer, params, parsed)
+    base = select_optimizer(optimizer, params, parsed, module=model)
     zero = None
     if base is not None:
         zero = wrap_with_zero(base, parsed, mesh=mesh, module=model, comms_logger=comms)

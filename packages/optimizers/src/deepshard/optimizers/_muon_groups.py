@@ -62,9 +62,10 @@ def _classify(params: list[Any], param_names: list[Any], shapes: ParamShapes | N
         if len(shape) >= 2 and name is None:
             raise ConfigError(
                 f"Muon needs the name of every matrix parameter to keep embeddings and the "
-                f"output head on Adam, and a parameter of shape {shape} has none; pass "
-                "model.named_parameters(), or names=dict(model.named_parameters()), or a group "
-                "with use_muon=True/False"
+                f"output head on Adam, and a parameter of shape {shape} has none (through "
+                "deepshard.engine.initialize: model_parameters holds a parameter the model "
+                "does not); pass model.named_parameters(), or names=dict(model.named_parameters"
+                "()), or put it in a param group with use_muon=True/False"
             )
         flags.append(len(shape) >= 2 and uses_muon(str(name), shape))
     return flags

@@ -15,6 +15,8 @@ what DeepSpeed writes at construction (the cycle formula would give ``max_mom`` 
 
 Momentum goes into ``betas[0]`` for Adam-like param groups (``betas[1]`` is kept) and into
 ``momentum`` for SGD-like ones; an optimizer with neither is left alone, with a warning.
+``get_mom()`` answers in the same form: ``(beta1, beta2)`` pairs, as DeepSpeed's does, or the
+SGD momentum values.
 
 **LRRangeTest.** ``min_lr * (1 + step_rate * (i + 1) / step_size)``, with the quotient floored
 when ``lr_range_test_staircase`` is set.
@@ -219,11 +221,22 @@ class OneCycle(BatchSchedule):
             for low, high in zip(self.min_moms, self.max_moms, strict=True)
         ]
 
-    def get_mom(self) -> list[float] | None:
-        """Each group's momentum at the current position; `None` when momentum is not cycled."""
+    def get_mom(self) -> list[tuple[float, float]] | list[float] | None:
+        """Each group's momentum at the current position, in the form the group keeps it.
+
+        Returns:
+            ``(beta1, beta2)`` per group for Adam-like groups, as DeepSpeed's OneCycle returns
+            them (``beta2`` is the group's own, which DeepSpeed would have replaced with 0.99);
+            the ``momentum`` value per group for SGD-like ones; `None` when momentum is not
+            cycled.
+        """
         if not self.cycle_momentum:
             return None
-        return self._moms_at(self.last_batch_iteration)
+        moms = self._moms_at(self.last_batch_iteration)
+        if self._momentum_key != "betas":
+            return moms
+        groups = self.optimizer.param_groups
+        return [(m, float(g["betas"][1])) for m, g in zip(moms, groups, strict=True)]
 
     def _apply(self) -> None:
         super()._apply()

@@ -10,7 +10,7 @@ fails with its key path instead of reaching a constructor as a ``TypeError``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -110,12 +110,15 @@ def _build_lion(params: ParamsT, kwargs: dict[str, Any]) -> torch.optim.Optimize
 
 
 def _build_muon(
-    params: ParamsT, kwargs: dict[str, Any], shapes: ParamShapes | None
+    params: ParamsT,
+    kwargs: dict[str, Any],
+    shapes: ParamShapes | None,
+    names: Mapping[str, torch.Tensor] | None,
 ) -> torch.optim.Optimizer:
     _check_keys(kwargs, _MUON_KEYS, "Muon")
     if kwargs.pop("torch_adam", False):
         kwargs["adam_impl"] = "foreach"
-    return Muon(params, param_shapes=shapes, **kwargs)
+    return Muon(params, param_shapes=shapes, names=names, **kwargs)
 
 
 def _build_torch(
@@ -128,7 +131,7 @@ def _build_torch(
 
 
 def _builder(
-    type_name: str, shapes: ParamShapes | None
+    type_name: str, shapes: ParamShapes | None, names: Mapping[str, torch.Tensor] | None
 ) -> Callable[[ParamsT, dict[str, Any]], torch.optim.Optimizer]:
     key = type_name.lower()
     if key in ("adam", "adamw"):
@@ -137,7 +140,7 @@ def _builder(
     if key == "lion":
         return _build_lion
     if key == "muon":
-        return lambda params, kwargs: _build_muon(params, kwargs, shapes)
+        return lambda params, kwargs: _build_muon(params, kwargs, shapes, names)
     if key in _NOT_CARRIED:
         raise ConfigError.from_problems([("optimizer.type", _NOT_CARRIED[key])])
     torch_cls = _torch_optimizers().get(key)
@@ -160,15 +163,22 @@ def _prefixed(error: ConfigError) -> ConfigError:
 
 
 def build_optimizer(
-    config: OptimizerConfig, params: ParamsT, *, param_shapes: ParamShapes | None = None
+    config: OptimizerConfig,
+    params: ParamsT,
+    *,
+    param_shapes: ParamShapes | None = None,
+    names: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.optim.Optimizer:
     """Builds the optimizer the ``optimizer`` config section describes.
 
     Args:
         config: The section: ``type`` (case-insensitive) and ``params``.
-        params: What the optimizer updates: parameters, ``model.named_parameters()`` (Muon
-            needs the names), or param groups.
+        params: What the optimizer updates: parameters, ``model.named_parameters()``, or param
+            groups (a group's ``use_muon`` decides its half under Muon).
         param_shapes: Layer shapes of partitioned parameters, for Muon (from the ZeRO package).
+        names: Parameters by name, e.g. ``dict(model.named_parameters())``: Muon routes plain
+            parameters by these names (embeddings and ``lm_head`` to Adam); other types
+            ignore it.
 
     Returns:
         The optimizer.
@@ -177,7 +187,7 @@ def build_optimizer(
         ConfigError: Unknown type (``optimizer.type``), unknown or bad parameter
             (``optimizer.params.<key>``).
     """
-    build = _builder(config.type, param_shapes)
+    build = _builder(config.type, param_shapes, names)
     try:
         return build(params, dict(config.params))
     except ConfigError as error:

@@ -55,12 +55,6 @@ REFUSED_KEYS: Mapping[str, str] = MappingProxyType(
         "partitioning",
         "zero_optimization.mics_hierarchical_params_gather": f"{_NOT_CARRIED} MiCS sharding "
         "(DeepSpeed removed it too); use zero_optimization.zero_hpz_partition_size",
-        "zero_optimization.cpu_offload": "the old spelling of optimizer offload; write "
-        '"offload_optimizer": {"device": "cpu"} instead',
-        "zero_optimization.cpu_offload_param": "the old spelling of parameter offload; write "
-        '"offload_param": {"device": "cpu"} instead (stage 3 only)',
-        "zero_optimization.cpu_offload_use_pin_memory": "the old spelling of pinned offload "
-        "buffers; set pin_memory inside offload_optimizer / offload_param instead",
         "zero_optimization.legacy_stage1": f"{_NOT_CARRIED} DeepSpeed's legacy ZeRO-1 "
         "implementation; remove the key, stage 1 always uses the current one",
         "zero_optimization.zenflow": f"{_NOT_CARRIED} ZenFlow; use "

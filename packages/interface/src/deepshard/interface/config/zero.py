@@ -2,8 +2,10 @@
 
 Every key of DeepSpeed 0.19.7's section is accepted with DeepSpeed's default. The stage-3 knobs
 are written ``stage3_*`` in JSON; the Python attribute drops the prefix (``prefetch_bucket_size``)
-and both spellings are accepted on input. DeepSpeed's deprecated and removed keys are refused with
-the replacement (see ``_removed.py``).
+and both spellings are accepted on input. DeepSpeed's old offload switches (``cpu_offload``,
+``cpu_offload_param``, ``cpu_offload_use_pin_memory``) are read as DeepSpeed reads them, with a
+``FutureWarning`` (see ``_legacy_offload.py``); its removed keys are refused with the replacement
+(see ``_removed.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from deepshard.interface.config._base import ConfigModel, raw_problems_error
+from deepshard.interface.config._legacy_offload import translate_legacy_offload
 from deepshard.interface.config.offload import OffloadOptimizerConfig, OffloadParamConfig
 
 __all__ = ["LeafModuleConfig", "LocoConfig", "ZeroConfig"]
@@ -210,6 +213,11 @@ class ZeroConfig(ConfigModel):
         if isinstance(data, dict) and data.get("overlap_comm") is None:
             data = {**data, "overlap_comm": data.get("stage") == 3}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_offload_switches(cls, data: Any) -> Any:
+        return translate_legacy_offload(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _stage_requirements(self) -> ZeroConfig:

@@ -4,9 +4,11 @@
 machine, the launcher checks the port by binding it as rank 0's store server will, with
 ``SO_REUSEADDR``: a port that only the connections of the previous run hold (in TIME-WAIT for a
 minute after every run) counts as free, one that a process listens on (a stuck job) as taken.
-It picks a free port from the kernel when it is taken or when the user passed ``0``. Another process may grab the port between the check and rank 0's
-bind; torchrun has the same window. When rank 0 runs on another host the port cannot be checked
-from here, so an explicit non-zero port is required there.
+It picks a free port from the kernel when it is taken or when the user passed ``0``. Another
+process may grab the port between the check and rank 0's bind; torchrun has the same window.
+When rank 0 runs on another host the port cannot be checked from here, so an explicit non-zero
+port is required there. An explicit ``--master_addr`` must be an IP address or a host name that
+resolves here (`check_master_addr`), so a typo fails before any rank starts.
 """
 
 from __future__ import annotations

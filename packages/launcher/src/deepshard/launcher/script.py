@@ -3,8 +3,8 @@
 ``ds-launch`` starts each rank as ``python -u -m deepshard.launcher.script train.py ARGS`` (or
 ``... script -m pkg.train ARGS`` with ``--module``) instead of ``python -u train.py ARGS``. The
 runner makes the script see what ``python train.py`` would show it (``__name__ == "__main__"``,
-``sys.argv``, the script's directory first on ``sys.path``), runs it with `runpy`, and differs
-in two ways only:
+``sys.argv``, the script's directory first on ``sys.path``, an absolute ``__file__``), and
+differs in two ways only:
 
 - A `DeepShardError` that ends the script is reported, not printed as a traceback: its type
   and message go to the file named by ``DEEPSHARD_ERROR_FILE`` for the launcher to print once
@@ -20,9 +20,12 @@ looks the class up in ``sys.modules``, since a script that raised one has import
 
 from __future__ import annotations
 
+import importlib.machinery
+import io
 import os
 import runpy
 import sys
+import types
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -75,6 +78,21 @@ def _excepthook(
     sys.__excepthook__(kind, error.with_traceback(trimmed), trimmed)
 
 
+def _run_file(name: str) -> None:
+    # Not runpy.run_path: it sets sys.argv[0] to the path it is given, and puts the runner back
+    # as __main__ when the script returns (atexit handlers and pickling look __main__ up late).
+    path = os.path.abspath(name)
+    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    with io.open_code(path) as handle:
+        code = compile(handle.read(), path, "exec")
+    module = types.ModuleType("__main__")
+    module.__file__ = path
+    module.__cached__ = None  # type: ignore[attr-defined]
+    module.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    sys.modules["__main__"] = module
+    exec(code, module.__dict__)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the script or module named by ``argv`` like ``python`` would.
 
@@ -100,8 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if module:
             runpy.run_module(name, run_name="__main__", alter_sys=True)  # sys.path[0]: the cwd
         else:
-            sys.path[0] = os.path.dirname(os.path.realpath(name))  # as `python SCRIPT` does
-            runpy.run_path(os.path.abspath(name), run_name="__main__")  # __file__ is absolute
+            _run_file(name)
     except Exception as error:
         if not _is_deepshard_error(error) or traceback_requested(os.environ):
             raise

@@ -12,6 +12,9 @@ exits every `SupervisionPolicy.poll_s`. The rules:
 - A child that has not exited ``grace_s`` after being asked is killed with ``SIGKILL``.
 - At the end, in every case, what is left of each child's process group (processes the child
   started and abandoned) is terminated the same way, so nothing outlives the launcher.
+- A relayed rank (`ProcessSpec.reports_errors`) gets a ``DEEPSHARD_ERROR_FILE`` in a temporary
+  directory of this supervision; after a failure the errors found there go into the `Outcome`
+  (see `deepshard.launcher._rank_errors`).
 
 "Asking to stop" depends on the child: a rank (or srun/mpirun/pdsh client) gets the signal on its
 process group; the ssh client of a remote node gets ``stop <signal>`` on its stdin and then EOF,

@@ -157,6 +157,8 @@ def test_srun_command(tmp_path: Path, options: dict[str, Any], expected: list[st
         "high",
         PY,
         "-u",
+        "-m",
+        "deepshard.launcher.script",
         "train.py",
     ]
     assert spec.env["DEEPSHARD_RESTART_COUNT"] == "0"
@@ -218,6 +220,8 @@ def test_mpirun_command_and_refusals(tmp_path: Path) -> None:
         "MASTER_PORT=29999",
         PY,
         "-u",
+        "-m",
+        "deepshard.launcher.script",
         "train.py",
     ]
     for flag in ("include", "exclude"):
@@ -279,8 +283,8 @@ def test_local_launch_narrows_devices_per_node(tmp_path: Path) -> None:
     assert [env["LOCAL_RANK"] for env in envs] == ["0", "1"]
     assert all("OMP_NUM_THREADS" not in env for env in envs)  # GPU ranks keep torch's default
     assert [list(spec.argv) for spec in plan.specs] == [
-        [PY, "-u", "train.py", "x", "--local_rank=0"],
-        [PY, "-u", "train.py", "x", "--local_rank=1"],
+        [PY, "-u", "-m", "deepshard.launcher.script", "train.py", "x", "--local_rank=0"],
+        [PY, "-u", "-m", "deepshard.launcher.script", "train.py", "x", "--local_rank=1"],
     ]
     with pytest.raises(LaunchError, match="asks for more slots than host 'localhost' has"):
         _plan(tmp_path, None, nproc_per_node=5)

@@ -20,7 +20,7 @@ def _sysfs(tmp_path: Path, siblings: dict[int, str]) -> str:
 
 @pytest.mark.parametrize(
     ("spec", "expected"),
-    [("1,3-5,7", [1, 3, 4, 5, 7]), ("0", [0]), ("8-11,0-1", [8, 9, 10, 11, 0, 1])],
+    [("1,3-5,7", [1, 3, 4, 5, 7]), ("0", [0]), ("0-1,8-11", [0, 1, 8, 9, 10, 11])],
 )
 def test_core_list_syntax(spec: str, expected: list[int]) -> None:
     assert parse_core_list(spec) == expected
@@ -32,7 +32,11 @@ def test_core_list_syntax(spec: str, expected: list[int]) -> None:
         ("1,,2", "is not a CPU id"),
         ("a-3", "is not a CPU id"),
         ("5-3", "runs backwards"),
-        ("1,0-2", "more than once"),
+        # As DeepSpeed's parse_range_list: items ascend and never overlap.
+        ("8,2-6", "'2-6' does not come after CPU 8; list the CPUs in ascending order"),
+        ("8-11,0-1", "'0-1' does not come after CPU 11"),
+        ("1,0-2", "'0-2' does not come after CPU 1"),
+        ("0-3,3", "'3' does not come after CPU 3"),
     ],
 )
 def test_bad_core_lists(spec: str, message: str) -> None:

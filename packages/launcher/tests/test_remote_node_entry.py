@@ -193,3 +193,29 @@ def test_ctrl_c_reaches_the_ranks_of_every_node(tmp_path: Path) -> None:
     assert [pid for pid in pids if _probes.process_running(pid)] == []
     for rank in (0, 1, 2):
         assert f"[rank {rank}] KeyboardInterrupt" in stderr, stderr
+
+
+# Ranks 1 and 2 (both on node 1) raise the same ConfigError; they ignore SIGTERM so that the first
+# failure does not stop the other before it raised. Rank 0 waits to be stopped.
+CONFIG_ERROR = """\
+import os, signal, time
+if os.environ["RANK"] == "0":
+    time.sleep(120)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+from deepshard.interface.errors import ConfigError
+raise ConfigError("train_batch_size: must be divisible by 3 ranks")
+"""
+
+
+def test_a_remote_node_reports_its_ranks_config_error_once(tmp_path: Path) -> None:
+    (tmp_path / "bad.py").write_text(CONFIG_ERROR)
+    (tmp_path / "hostfile").write_text(TWO_NODES)
+    done = _probes.ds_launch(
+        "-H", "hostfile", "--launcher", "ssh", "bad.py", cwd=tmp_path, env=_fake_ssh_env(tmp_path)
+    )
+    console = done.stdout + done.stderr
+    assert done.returncode == 1, console
+    assert console.count("train_batch_size: must be divisible by 3 ranks") == 1, console
+    assert "Traceback" not in console
+    assert "ds-launch: ranks 1, 2 stopped with ConfigError:" in done.stderr
+    assert "ds-launch: node 1 (127.0.0.1, over ssh) exited with code 1" in done.stderr

@@ -5,7 +5,8 @@ cores by ``/sys/devices/system/cpu/cpuN/topology/thread_siblings_list``: two ran
 the hyper-threads of one core. Each rank gets an equal, contiguous share of whole cores (the
 remainder stays unused, as in DeepSpeed); with fewer physical cores than ranks the logical CPUs
 are split instead. ``--bind_core_list 1,3-5`` replaces the detected cores with the user's
-logical CPU ids, split the same way.
+logical CPU ids, split the same way; as in DeepSpeed, its items must ascend without overlapping
+(``8,2-6`` is refused rather than reordered: the order decides which rank gets which CPUs).
 
 The share is used twice: ``OMP_NUM_THREADS`` (unless the user set it) is its number of cores,
 and with ``--bind_cores_to_rank`` the rank is pinned to it with ``sched_setaffinity`` in the
@@ -28,7 +29,8 @@ def parse_core_list(spec: str) -> list[int]:
     """Expand ``1,3-5,7`` into ``[1, 3, 4, 5, 7]``.
 
     Raises:
-        LaunchError: An item is not ``N`` or ``A-B`` with ``A <= B``, or a CPU repeats.
+        LaunchError: An item is not ``N`` or ``A-B`` with ``A <= B``, or does not start after
+            the previous item ends (items ascend and do not overlap).
     """
     cpus: list[int] = []
     for item in spec.split(","):
@@ -41,10 +43,12 @@ def parse_core_list(spec: str) -> list[int]:
         end = int(high) if dash else int(low)
         if end < int(low):
             raise LaunchError(f"--bind_core_list {spec!r}: range {item!r} runs backwards")
+        if cpus and int(low) <= cpus[-1]:
+            raise LaunchError(
+                f"--bind_core_list {spec!r}: {item!r} does not come after CPU {cpus[-1]}; list "
+                "the CPUs in ascending order without overlaps, e.g. 0-3,8-11"
+            )
         cpus.extend(range(int(low), end + 1))
-    repeated = sorted({cpu for cpu in cpus if cpus.count(cpu) > 1})
-    if repeated:
-        raise LaunchError(f"--bind_core_list {spec!r} lists CPU {repeated[0]} more than once")
     return cpus
 
 

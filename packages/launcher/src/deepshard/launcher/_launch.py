@@ -14,7 +14,7 @@ from typing import TextIO
 
 from deepshard.interface.errors import LaunchError
 from deepshard.launcher._plan import LaunchOptions, LaunchPlan, plan_launch
-from deepshard.launcher._ranks import prepare_log_files
+from deepshard.launcher._ranks import check_script, prepare_log_files
 from deepshard.launcher._report import REPORT_MARK, describe_outcome
 from deepshard.launcher._specs import ProcessSpec
 from deepshard.launcher._supervisor import supervise
@@ -118,8 +118,8 @@ def launch(
         ``128 + N`` when ``ds-launch`` itself received signal ``N``.
 
     Raises:
-        LaunchError: The options, hostfile or environment are inconsistent, or a process could
-            not be started.
+        LaunchError: The options, hostfile or environment are inconsistent, the script does not
+            exist, or a process could not be started.
     """
     restart_count = 0
     while True:
@@ -134,6 +134,8 @@ def launch(
         if dry_run:
             out.write(describe_plan(plan))
             return 0
+        if plan.runs_ranks_here:  # remote node entries check on their node
+            check_script(options.run, cwd)
         code, may_restart = _attempt(plan, restart_count, options.run.log_dir, err)
         if not may_restart or restart_count >= options.max_restarts:
             return code

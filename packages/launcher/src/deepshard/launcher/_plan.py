@@ -22,9 +22,14 @@ from deepshard.launcher._backends import BUILDERS, BackendContext
 from deepshard.launcher._devices import Accelerators, detect_accelerators
 from deepshard.launcher._env import read_env_files
 from deepshard.launcher._hostfile import DEFAULT_HOSTFILE, parse_hostfile
-from deepshard.launcher._ports import DEFAULT_MASTER_PORT, is_local_address, resolve_master_port
+from deepshard.launcher._ports import (
+    DEFAULT_MASTER_PORT,
+    check_master_addr,
+    is_local_address,
+    resolve_master_port,
+)
 from deepshard.launcher._ranks import RESTART_COUNT_ENV, RunOptions
-from deepshard.launcher._resources import resolve_resources
+from deepshard.launcher._resources import parse_resource_spec, resolve_resources
 from deepshard.launcher._specs import ProcessSpec, SupervisionPolicy
 from deepshard.launcher._world import WorldLayout
 
@@ -75,6 +80,18 @@ class LaunchOptions:
     node_rank: int | None = None
     venv_script: str | None = None
 
+    def __post_init__(self) -> None:
+        counts = (
+            ("--num_nodes", self.num_nodes),
+            ("--num_gpus", self.num_gpus),
+            ("--nproc_per_node", self.nproc_per_node),
+        )
+        for flag, count in counts:
+            if count is not None and count < 1:
+                raise LaunchError(
+                    f"{flag} must be at least 1, got {count}; leave it out for the default"
+                )
+
 
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
@@ -115,6 +132,19 @@ def _slots_flag(options: LaunchOptions) -> int | None:
     return options.num_gpus if options.num_gpus is not None else options.nproc_per_node
 
 
+def _cpu_slots(options: LaunchOptions) -> int:
+    """How many CPU ranks this machine offers without a hostfile: as many as asked for.
+
+    A CPU slot is just a rank's index, so ``--include localhost:0,1`` asks for two ranks like
+    ``--num_gpus 2`` does; a filter naming other hosts fails later, naming them.
+    """
+    if options.include:
+        named = parse_resource_spec(options.include, "--include").get(_LOCAL_HOST)
+        if named:
+            return max(named) + 1
+    return _slots_flag(options) or 1
+
+
 def _pool(options: LaunchOptions, accelerators: Accelerators) -> tuple[dict[str, int], bool]:
     """``({host: slots}, from a hostfile)``; without one, this machine alone."""
     path = options.hostfile or DEFAULT_HOSTFILE
@@ -127,7 +157,7 @@ def _pool(options: LaunchOptions, accelerators: Accelerators) -> tuple[dict[str,
         )
     if accelerators.count:
         return {_LOCAL_HOST: accelerators.count}, False
-    return {_LOCAL_HOST: _slots_flag(options) or 1}, False
+    return {_LOCAL_HOST: _cpu_slots(options)}, False
 
 
 def _backend(options: LaunchOptions, layout: WorldLayout, from_hostfile: bool) -> str:
@@ -170,6 +200,8 @@ def _check_backend_options(backend: str, options: LaunchOptions) -> None:
 
 def _master_addr(options: LaunchOptions, layout: WorldLayout, backend: str) -> str:
     if options.master_addr:
+        # Under mpirun, rank 0's host may be a name only the cluster's nodes know.
+        check_master_addr(options.master_addr, resolve=backend != "openmpi")
         return options.master_addr
     hosts = [node.host for node in layout.nodes]
     loopback = [host == _LOCAL_HOST or host.startswith("127.") for host in hosts]
@@ -223,18 +255,19 @@ def plan_launch(
     """
     accelerators = detect_accelerators(environ)
     pool, from_hostfile = _pool(options, accelerators)
-    narrow = _slots_flag(options) if from_hostfile or accelerators.count else None
     resources = resolve_resources(
         pool,
         include=options.include,
         exclude=options.exclude,
         num_nodes=options.num_nodes,
-        num_slots=narrow,
+        num_slots=_slots_flag(options),  # without a hostfile on CPU the pool is this already
     )
     layout = WorldLayout.from_resources(resources)
     backend = _backend(options, layout, from_hostfile)
     _check_backend_options(backend, options)
     if backend == "slurm":
+        if options.master_addr:  # srun places rank 0: its name may be unknown here
+            check_master_addr(options.master_addr, resolve=False)
         addr, port, note = options.master_addr or "", options.master_port or 0, None
     else:
         addr, port, note = _rendezvous(options, layout, backend)

@@ -27,6 +27,7 @@ __all__ = [
     "RESTART_COUNT_ENV",
     "NodeRun",
     "RunOptions",
+    "check_script",
     "node_rank_specs",
     "prepare_log_files",
     "rank_argv",
@@ -35,6 +36,9 @@ __all__ = [
 
 RESTART_COUNT_ENV = "DEEPSHARD_RESTART_COUNT"
 """How many times the job was restarted before this attempt (0 on the first)."""
+
+SCRIPT_RUNNER = "deepshard.launcher.script"
+"""The module a rank's Python runs the script through (`deepshard.launcher.script`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +101,17 @@ class NodeRun:
 def rank_argv(options: RunOptions, python: str, local_rank: int | None) -> list[str]:
     """The command of one rank (``local_rank=None``: without ``--local_rank``).
 
-    ``--local_rank=N`` comes after the script's own arguments, so a script that reads its
-    arguments by position sees them where it put them (argparse does not mind the order).
+    Python runs the script through `deepshard.launcher.script`, which reports a DeepShard
+    error once instead of as a traceback per rank. ``--local_rank=N`` comes after the script's
+    own arguments, so a script that reads its arguments by position sees them where it put them
+    (argparse does not mind the order).
     """
     if options.no_python:
         command = [options.script]
     elif options.module:
-        command = [python, "-u", "-m", options.script]
+        command = [python, "-u", "-m", SCRIPT_RUNNER, "-m", options.script]
     else:
-        command = [python, "-u", options.script]
+        command = [python, "-u", "-m", SCRIPT_RUNNER, options.script]
     command += options.script_args
     if local_rank is not None and not options.no_local_rank:
         command.append(f"--local_rank={local_rank}")
@@ -170,9 +176,29 @@ def node_rank_specs(
                 log_path=log,
                 cpus=share,
                 shown_env=tuple(shown.items()),
+                reports_errors=not options.no_python,
             )
         )
     return specs
+
+
+def check_script(options: RunOptions, cwd: str) -> None:
+    """Refuse a script file that does not exist, before any rank starts.
+
+    A module (``--module``) or a command (``--no_python``, looked up on ``PATH``) is left to
+    the rank to find.
+
+    Raises:
+        LaunchError: ``options.script`` is not a file relative to ``cwd``.
+    """
+    if options.module or options.no_python:
+        return
+    path = os.path.join(cwd, options.script)
+    if not os.path.isfile(path):
+        raise LaunchError(
+            f"the script {options.script!r} does not exist (looked for {path}); check the "
+            "path, or pass --module to run a module"
+        )
 
 
 def torchrun_spec(run: NodeRun, launcher_args: str = "") -> ProcessSpec:

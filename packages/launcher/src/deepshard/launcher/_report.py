@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+from deepshard.launcher._rank_errors import describe_rank_errors
 from deepshard.launcher._specs import Outcome
 
 __all__ = ["REPORT_MARK", "describe_outcome"]
@@ -21,6 +22,10 @@ def _signal_name(signum: int) -> str:
 
 def describe_outcome(outcome: Outcome, *, show_tail: bool = True) -> str:
     """The report for a job that did not succeed (``""`` for a clean exit).
+
+    DeepShard errors the ranks reported come first, each once with the ranks that raised it;
+    the failed child's output tail is left out when it reported one (its output was relayed
+    already, and the error says what went wrong).
 
     Args:
         outcome: How the group ended.
@@ -41,8 +46,9 @@ def describe_outcome(outcome: Outcome, *, show_tail: bool = True) -> str:
         how = f"was killed by {_signal_name(-code)} (exit code {outcome.exit_code})"
     else:
         how = f"exited with code {code}"
-    lines = [f"{REPORT_MARK}{outcome.failed.label} {how}; the other processes were stopped"]
-    if show_tail:
+    lines = describe_rank_errors(outcome.errors, REPORT_MARK)
+    lines.append(f"{REPORT_MARK}{outcome.failed.label} {how}; the other processes were stopped")
+    if show_tail and all(spec is not outcome.failed for spec, _ in outcome.errors):
         if outcome.tail:
             lines.append(f"{REPORT_MARK}last {len(outcome.tail)} lines of its output:")
             lines.extend(f"    {line}" for line in outcome.tail)

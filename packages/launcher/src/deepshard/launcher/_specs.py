@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # _rank_errors imports this module
+    from deepshard.launcher._rank_errors import RankError
 
 __all__ = ["Outcome", "ProcessSpec", "SupervisionPolicy", "exit_code_of"]
 
@@ -27,6 +30,9 @@ class ProcessSpec:
         signal_map: ``(received, sent)`` pairs: the signal to pass on instead of the one the
             launcher received (srun and pdsh answer a single SIGINT with a status report, so
             they get SIGTERM instead).
+        reports_errors: It runs through `deepshard.launcher.script`: when its output is
+            relayed, it is given a ``DEEPSHARD_ERROR_FILE`` for the DeepShard error it may stop
+            with, and the report prints that error once for all ranks.
     """
 
     label: str
@@ -39,6 +45,7 @@ class ProcessSpec:
     stop_mode: Literal["group", "stdin"] = "group"
     shown_env: tuple[tuple[str, str], ...] = ()
     signal_map: tuple[tuple[int, int], ...] = ()
+    reports_errors: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +76,8 @@ class Outcome:
         returncode: Its raw return code (negative for a signal), or ``None``.
         received_signal: The signal the launcher received, or ``None``.
         tail: The failed child's last output lines.
+        errors: The DeepShard errors children reported (`ProcessSpec.reports_errors`), in
+            start order.
     """
 
     exit_code: int
@@ -76,6 +85,7 @@ class Outcome:
     returncode: int | None = None
     received_signal: int | None = None
     tail: tuple[str, ...] = ()
+    errors: tuple[tuple[ProcessSpec, RankError], ...] = ()
 
 
 def exit_code_of(returncode: int) -> int:

@@ -12,6 +12,9 @@ exits every `SupervisionPolicy.poll_s`. The rules:
 - A child that has not exited ``grace_s`` after being asked is killed with ``SIGKILL``.
 - At the end, in every case, what is left of each child's process group (processes the child
   started and abandoned) is terminated the same way, so nothing outlives the launcher.
+- A relayed rank (`ProcessSpec.reports_errors`) gets a ``DEEPSHARD_ERROR_FILE`` in a temporary
+  directory of this supervision; after a failure the errors found there go into the `Outcome`
+  (see `deepshard.launcher._rank_errors`).
 
 "Asking to stop" depends on the child: a rank (or srun/mpirun/pdsh client) gets the signal on its
 process group; the ssh client of a remote node gets ``stop <signal>`` on its stdin and then EOF,
@@ -26,6 +29,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from types import FrameType
@@ -35,6 +39,7 @@ from deepshard.interface.errors import LaunchError
 from deepshard.launcher._guard import GroupGuard
 from deepshard.launcher._output import LineTail, StreamRelay, read_file_tail
 from deepshard.launcher._process import child_setup, group_alive, signal_group
+from deepshard.launcher._rank_errors import ERROR_FILE_ENV, RankError, read_error_file
 from deepshard.launcher._specs import (
     Outcome,
     ProcessSpec,
@@ -101,10 +106,17 @@ class _ControlReader:
 class _Child:
     """A started child: its process, pipes and remembered output."""
 
-    def __init__(self, spec: ProcessSpec, process: subprocess.Popen[bytes], tail: LineTail):
+    def __init__(
+        self,
+        spec: ProcessSpec,
+        process: subprocess.Popen[bytes],
+        tail: LineTail,
+        error_file: str | None,
+    ) -> None:
         self.spec = spec
         self.process = process
         self.tail = tail
+        self.error_file = error_file
         self.returncode: int | None = None
 
     def ask_to_stop(self, signum: int) -> None:
@@ -116,6 +128,9 @@ class _Child:
                     self.process.stdin.close()
         else:
             signal_group(self.process.pid, signum)
+
+    def reported_error(self) -> RankError | None:
+        return None if self.error_file is None else read_error_file(self.error_file)
 
     def output_tail(self, limit: int) -> tuple[str, ...]:
         if self.spec.log_path is not None:
@@ -129,12 +144,18 @@ def _start(
     selector: selectors.BaseSelector,
     out: BinaryIO,
     err: BinaryIO,
+    error_file: str,
 ) -> _Child:
+    env = dict(spec.env)
+    # A rank writing to its own log keeps its error message there (the report shows its tail).
+    reports = spec.reports_errors and spec.log_path is None
+    if reports:
+        env[ERROR_FILE_ENV] = error_file
     log = open(spec.log_path, "ab") if spec.log_path is not None else None  # noqa: SIM115
     try:
         process = subprocess.Popen(
             list(spec.argv),
-            env=dict(spec.env),
+            env=env,
             cwd=spec.cwd,
             stdin=subprocess.PIPE if spec.stop_mode == "stdin" else subprocess.DEVNULL,
             stdout=log if log is not None else subprocess.PIPE,
@@ -153,7 +174,7 @@ def _start(
             os.set_blocking(pipe.fileno(), False)
             relay = StreamRelay(destination, spec.prefix, stream, tail)
             selector.register(pipe, selectors.EVENT_READ, relay)
-    return _Child(spec, process, tail)
+    return _Child(spec, process, tail, error_file if reports else None)
 
 
 class _Supervision:
@@ -284,12 +305,14 @@ class _Supervision:
 
     def _outcome(self) -> Outcome:
         if self.failed is not None and self.failed.returncode is not None:
+            reported = [(child.spec, child.reported_error()) for child in self.children]
             return Outcome(
                 exit_code_of(self.failed.returncode),
                 self.failed.spec,
                 self.failed.returncode,
                 None,
                 self.failed.output_tail(self.policy.tail_lines),
+                tuple((spec, error) for spec, error in reported if error is not None),
             )
         if self.signals.received:
             signum = self.signals.received[0]
@@ -329,6 +352,7 @@ def supervise(
         GroupGuard(policy.grace_s) as guard,
         _Signals() as signals,
         selectors.DefaultSelector() as selector,
+        tempfile.TemporaryDirectory(prefix="deepshard-errors-") as error_dir,
     ):
         if control is not None:
             os.set_blocking(control.fileno(), False)
@@ -336,8 +360,9 @@ def supervise(
         children: list[_Child] = []
         supervision = _Supervision(children, selector, signals, policy)
         try:
-            for spec in specs:
-                children.append(_start(spec, policy, selector, out, err))
+            for index, spec in enumerate(specs):
+                error_file = os.path.join(error_dir, f"{index}.json")
+                children.append(_start(spec, policy, selector, out, err, error_file))
                 guard.watch(children[-1].process.pid)
         except LaunchError:
             supervision._begin_stop(signal.SIGTERM)

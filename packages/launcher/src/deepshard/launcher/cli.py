@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from deepshard.launcher._plan import LaunchOptions
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "parse_args"]
 
 _EPILOG = """\
 examples:
@@ -98,6 +99,12 @@ def _add_rank_options(parser: argparse.ArgumentParser) -> None:
         help="restart the whole job up to K times after a failure",
     )
     add("--log_dir", "--log-dir", help="write each rank's output to DIR/rank_<RANK>.log")
+    add(
+        "--traceback",
+        action="store_true",
+        help="show the traceback of a DeepShard error instead of its message alone (as "
+        "DEEPSHARD_TRACEBACK=1 does); without it, an error every rank raises prints once",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +126,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("user_script", help="the training script (or module with -m)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
+
+
+def _join_launcher_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--launcher_args VALUE`` as ``--launcher_args=VALUE`` among ds-launch's own options.
+
+    Its value usually starts with a dash (``-mca btl_tcp_if_include eth1``), which argparse
+    would read as an option (``-m`` with ``ca`` attached). Only the options before the script
+    are ds-launch's; the rest are the script's, so the scan stops at the first word that is
+    not an option or an option's value.
+    """
+    takes_value = {
+        flag for action in parser._actions if action.nargs != 0 for flag in action.option_strings
+    }
+    words = list(argv)
+    index = 0
+    while index < len(words) and words[index].startswith("-") and words[index] != "--":
+        word = words[index]
+        if word == "--launcher_args" and index + 1 < len(words):
+            words[index : index + 2] = [f"{word}={words[index + 1]}"]
+        elif word in takes_value:
+            index += 1  # its value follows
+        index += 1
+    return words
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``ds-launch``'s arguments (``argv`` without the program name); exits on bad ones."""
+    parser = build_parser()
+    args = parser.parse_args(_join_launcher_args(parser, argv))
+    _check_counts(parser, args)
+    return args
 
 
 def _check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -171,20 +209,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit code (see `deepshard.launcher.launch`); 1 for a launch error, 2 for bad
-        arguments.
+        The exit code (see `deepshard.launcher.launch`); 1 for a DeepShard error (its message
+        is printed, with its traceback under ``--traceback``), 2 for bad arguments.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_counts(parser, args)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     # Imported only now: they pull in deepshard.interface (pydantic), not needed for --help.
-    from deepshard.interface.errors import LaunchError
+    from deepshard.interface.errors import DeepShardError
     from deepshard.launcher._launch import launch
+    from deepshard.launcher._rank_errors import TRACEBACK_ENV, traceback_requested
 
+    environ = dict(os.environ)
+    if args.traceback:
+        environ[TRACEBACK_ENV] = "1"  # the ranks (and remote nodes) read it
     try:
         return launch(
             _options(args),
-            environ=dict(os.environ),
+            environ=environ,
             cwd=os.getcwd(),
             home=os.path.expanduser("~"),
             python=sys.executable,
@@ -192,7 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             out=sys.stdout,
             err=sys.stderr,
         )
-    except LaunchError as error:
+    except DeepShardError as error:
+        if traceback_requested(environ):
+            traceback.print_exc()
         sys.stderr.write(f"ds-launch: error: {error}\n")
         return 1
 

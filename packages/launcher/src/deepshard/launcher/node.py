@@ -36,6 +36,7 @@ from deepshard.launcher._ranks import (
     RESTART_COUNT_ENV,
     NodeRun,
     RunOptions,
+    check_script,
     node_rank_specs,
     prepare_log_files,
     torchrun_spec,
@@ -162,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
         detect_accelerators(os.environ),
         sys.executable,
     )
+    check_script(options, os.getcwd())
     specs = [torchrun_spec(run, args.launcher_args)] if args.torchrun else node_rank_specs(run)
     prepare_log_files(specs, int(os.environ.get(RESTART_COUNT_ENV, "0") or 0))
     with _pid_file(args.job_id, node_rank):

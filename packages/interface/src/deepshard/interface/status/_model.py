@@ -66,7 +66,8 @@ class When:
         if self.test in ("true", "false"):
             return value is (self.test == "true")
         if self.test == "above":
-            return isinstance(value, (int, float)) and value > (self.value or 0)
+            bound = self.value if isinstance(self.value, int) else 0
+            return isinstance(value, (int, float)) and value > bound
         if self.test == "equals":
             return bool(value == self.value)
         return bool(value != self.value)

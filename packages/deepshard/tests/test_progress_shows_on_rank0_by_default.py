@@ -8,7 +8,8 @@ this order (the logging state carries over from one to the next, as in one train
    ignored-settings warnings; rank 1 shows none of them;
 2. ``"log_level": "warning"``: the progress lines disappear, the warnings stay;
 3. ``DEEPSHARD_LOG_ALL_RANKS=1``: rank 1 prints its own progress line too;
-4. the application calls ``logging.basicConfig`` (after DeepShard added its handler): each
+4. the application puts a handler on ``deepshard.engine``: the lines go there, not to stderr;
+5. the application calls ``logging.basicConfig`` (after DeepShard added its handler): each
    line appears exactly once.
 """
 
@@ -61,6 +62,11 @@ def _phases(mesh: Any) -> dict[str, str]:
     os.environ["DEEPSHARD_LOG_ALL_RANKS"] = "1"
     out["all ranks"] = _train({"log_level": "info"}, mesh)
     del os.environ["DEEPSHARD_LOG_ALL_RANKS"]
+    child = logging.StreamHandler(io.StringIO())
+    logging.getLogger("deepshard.engine").addHandler(child)
+    out["child handler: stderr"] = _train({}, mesh)
+    logging.getLogger("deepshard.engine").removeHandler(child)
+    out["child handler"] = child.stream.getvalue()
     buffer = io.StringIO()
     logging.basicConfig(level=logging.INFO, stream=buffer)
     _train({}, mesh)
@@ -132,6 +138,11 @@ def test_each_line_once_when_the_application_configured_logging(ranks: list[Any]
     assert _counts(text, PROGRESS | WARNINGS) == PROGRESS | WARNINGS, text
     assert "[rank 0]" not in text  # the application's format, not DeepShard's handler
     assert ranks[1]["basicConfig"] == ""
+
+
+def test_a_handler_on_a_child_logger_takes_the_lines_alone(ranks: list[Any]) -> None:
+    assert _counts(ranks[0]["child handler"], PROGRESS | WARNINGS) == PROGRESS | WARNINGS
+    assert ranks[0]["child handler: stderr"] == ""
 
 
 def test_a_bad_switch_value_is_a_config_error() -> None:

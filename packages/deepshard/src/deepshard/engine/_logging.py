@@ -14,7 +14,8 @@ neither the root logger nor the ``deepshard`` logger has a handler:
 
 The handler checks again at every record: once the application has a handler of its own (it
 called ``logging.basicConfig`` after ``initialize``), the handler writes nothing and the record
-reaches the application's handlers alone, so no line is ever printed twice. Calling
+reaches the application's handlers alone, so no line is ever printed twice (a handler the
+application put on a child such as ``deepshard.engine`` counts too). Calling
 ``initialize`` again reuses the handler instead of adding another.
 """
 
@@ -84,13 +85,23 @@ class _RankHandler(logging.Handler):
         )
 
     def emit(self, record: logging.LogRecord) -> None:
-        if _foreign_handlers(self._logger):
+        if _foreign_handlers(self._logger) or self._below_has_handlers(record.name):
             return
         try:
             sys.stderr.write(self.format(record) + "\n")
             sys.stderr.flush()
         except Exception:  # the logging convention: report, never raise into the caller
             self.handleError(record)
+
+    def _below_has_handlers(self, name: str) -> bool:
+        """Whether a logger between the record's and ``deepshard`` (``deepshard.engine``) has
+        the application's handler: it printed the record already."""
+        logger: logging.Logger | None = logging.getLogger(name)
+        while logger is not None and logger is not self._logger:
+            if logger.handlers:
+                return True
+            logger = logger.parent
+        return False
 
 
 def configure_logging(*, rank: int, level: str | None, all_ranks: bool) -> None:

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import logging
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from deepshard.accelerators import get_accelerator
 from deepshard.comm import CommsLogger, build_mesh, init_distributed
 from deepshard.engine._accumulation import GradientAccumulation
-from deepshard.engine._checks import check_engine_config, ignored_settings
+from deepshard.engine._checks import check_engine_config
 from deepshard.engine._components import (
     OptimizerArg,
     SchedulerArg,
@@ -34,6 +34,7 @@ from deepshard.engine._components import (
 )
 from deepshard.engine._dataloader import build_dataloader
 from deepshard.engine._engine import DeepShardEngine, EngineParts
+from deepshard.engine._logging import announce, log_all_ranks
 from deepshard.engine._precision import plan_precision
 from deepshard.engine._reporting import (
     REDUCE_LOG_NAMES,
@@ -50,8 +51,6 @@ from deepshard.interface.errors import ConfigError
 from deepshard.zero import ZeroOptimizer
 
 __all__ = ["InitializeResult", "initialize"]
-
-_log = logging.getLogger("deepshard.engine")
 
 
 class InitializeResult(NamedTuple):
@@ -105,17 +104,6 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: accelerator.synchronize(device)
 
 
-def _announce(config: DeepShardConfig, rank: int) -> None:
-    if config.log_level is not None:
-        logging.getLogger("deepshard").setLevel(config.log_level.upper())
-    if rank != 0:
-        return
-    for line in ignored_settings(config):
-        _log.warning("%s", line)
-    if config.dump_state:
-        _log.info("config: %s", config.to_dict(exclude_defaults=True))
-
-
 def _reporter(
     config: DeepShardConfig,
     *,
@@ -138,6 +126,7 @@ def _reporter(
         comms_logger=comms_logger,
         print_comms=config.comms_logger.enabled,
         memory=memory if config.memory_breakdown else None,
+        all_ranks=log_all_ranks(os.environ),
     )
 
 
@@ -206,7 +195,7 @@ def initialize(
         mesh = build_mesh(parsed.topology(init_distributed().world_size))
     ranks = MeshRanks(mesh)
     batch = parsed.resolve_batch(ranks.batch_world_size)
-    _announce(parsed, ranks.global_rank)
+    announce(parsed, rank=ranks.global_rank, environ=os.environ)
     device = _device(mesh)
     precision = plan_precision(parsed, device.type)
     precision.cast_model(model, device)

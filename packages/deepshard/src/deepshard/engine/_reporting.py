@@ -1,7 +1,8 @@
 """What the engine tells the user: progress lines, the wall-clock breakdown, memory and comms.
 
-Every ``steps_per_print`` optimizer steps, rank 0 logs (logger ``deepshard.engine``, level INFO)
-one progress line: the step, the mean loss of that step's micro-batches on rank 0, the learning
+Every ``steps_per_print`` optimizer steps, rank 0 (every rank with ``DEEPSHARD_LOG_ALL_RANKS=1``)
+logs one progress line (logger ``deepshard.engine``, level INFO, shown without any logging set-up:
+see ``_logging``): the step, the mean loss of that step's micro-batches on that rank, the learning
 rates, the global gradient norm, the loss scale and the samples per second since the previous
 line. With ``wall_clock_breakdown`` a second line gives the mean time per step of each phase:
 forward, backward (which includes the reductions ZeRO overlaps with it), reduce (the time the
@@ -174,6 +175,8 @@ class ProgressReporter:
         comms_logger: Whose summary is printed when ``print_comms``.
         print_comms: ``comms_logger.enabled``.
         memory: Returns the tensor bytes when ``memory_breakdown`` is on, else None.
+        all_ranks: Every rank prints its own lines (``DEEPSHARD_LOG_ALL_RANKS=1``), not only
+            rank 0.
         clock: Monotonic seconds.
     """
 
@@ -187,10 +190,12 @@ class ProgressReporter:
         comms_logger: CommsLogger | None,
         print_comms: bool,
         memory: Callable[[], TensorBytes] | None,
+        all_ranks: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.steps_per_print = steps_per_print
         self.rank = rank
+        self.prints = rank == 0 or all_ranks
         self.train_batch_size = train_batch_size
         self.timers = timers
         self._comms = comms_logger if print_comms else None
@@ -224,7 +229,7 @@ class ProgressReporter:
             return
         now = self._clock()
         elapsed, self._window_start = now - self._window_start, now
-        if self.rank == 0:
+        if self.prints:
             loss = "n/a" if loss_sum is None else f"{loss_sum.item() / count:.6g}"
             norm = "n/a" if grad_norm is None else f"{grad_norm:.6g}"
             rate = period * self.train_batch_size / elapsed if elapsed > 0 else float("inf")

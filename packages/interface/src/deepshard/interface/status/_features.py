@@ -1,0 +1,247 @@
+"""The feature table: every config section or key whose feature DeepShard does not run yet.
+
+This is the one source of what works. The engine refuses a config that asks for a ``planned``
+row (`planned_problems`) and reports the ``ignored`` rows it asks for (`asked_features`,
+`ignored_keys`); the README, the docs index and the config reference show the same rows. A row
+moves to available (it is deleted) in the change that wires its feature.
+"""
+
+from __future__ import annotations
+
+from deepshard.interface.status._model import FeatureStatus, When
+
+__all__ = ["FEATURES"]
+
+_ZERO = "deepshard-zero"
+_ENGINE = "deepshard"
+_OFF = "none"
+_SET_FALSE = "set it to false or remove it"
+_STAGE3 = "ZeRO stage 3 setting (no effect at stages 0-2)"
+
+_STAGE3_KEYS = (
+    "sub_group_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential",
+    "zero_hpz_partition_size",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "zeropp_loco_param",
+    "memory_efficient_linear",
+    "pipeline_loading_checkpoint",
+    "override_module_apply",
+    "log_trace_cache_warnings",
+    "enable_sanity_checks",
+    "leaf_module",
+)
+
+_PLANNED = (
+    FeatureStatus(
+        "zero_optimization.stage",
+        "planned",
+        "ZeRO stage 3",
+        _ZERO,
+        When("equals", 3),
+        fix="use stage 0, 1 or 2",
+    ),
+    FeatureStatus(
+        "zero_optimization.offload_optimizer",
+        "planned",
+        "ZeRO optimizer offload",
+        _ZERO,
+        When("other_than", _OFF, field="device"),
+        fix='remove the section or set its device to "none"',
+    ),
+    FeatureStatus(
+        "zero_optimization.offload_param",
+        "planned",
+        "ZeRO-3 parameter offload",
+        _ZERO,
+        When("other_than", _OFF, field="device"),
+        fix='remove the section or set its device to "none"',
+    ),
+    FeatureStatus("sparse_gradients", "planned", "sparse embedding gradients", _ZERO, When("true")),
+    FeatureStatus(
+        "fp16.fp16_master_weights_and_grads",
+        "planned",
+        "16-bit master weights",
+        _ZERO,
+        When("true"),
+    ),
+    FeatureStatus(
+        "bf16.bf16_master_weights_and_grads",
+        "planned",
+        "16-bit master weights",
+        _ZERO,
+        When("true"),
+    ),
+    FeatureStatus(
+        "bf16.bf16_optimizer_states", "planned", "16-bit optimizer states", _ZERO, When("true")
+    ),
+    FeatureStatus(
+        "tensor_parallel.autotp_size",
+        "planned",
+        "AutoTP tensor parallelism",
+        "deepshard-autotp",
+        When("above", 1),
+        fix="set it to 1 or remove it",
+    ),
+    FeatureStatus(
+        "tensor_parallel.tp.tp_size",
+        "planned",
+        "AutoTP tensor parallelism",
+        "deepshard-autotp",
+        When("above", 1),
+        fix="set it to 1 or remove it",
+    ),
+    FeatureStatus(
+        "sequence_parallel_size",
+        "planned",
+        "Ulysses sequence parallelism",
+        "deepshard-sequence-parallel",
+        When("above", 1),
+        fix="set it to 1 or remove it",
+    ),
+    FeatureStatus(
+        "managed_gradient_accumulation",
+        "planned",
+        "caller-marked accumulation boundaries (ZeRO reduces during the boundary's backward "
+        "pass, so the engine must know the boundary in advance)",
+        _ENGINE,
+        When("false"),
+    ),
+    *(
+        FeatureStatus(key, "planned", feature, _ENGINE, When("true"), fix=_SET_FALSE)
+        for key, feature in (
+            ("elasticity.enabled", "elastic batch sizing"),
+            ("curriculum_learning.enabled", "legacy curriculum learning"),
+            ("data_efficiency.enabled", "data efficiency (curriculum sampling, random-LTD)"),
+        )
+    ),
+)
+
+_IGNORED = (
+    FeatureStatus("activation_checkpointing", "ignored", "activation checkpointing", _ENGINE),
+    FeatureStatus("checkpoint", "ignored", "checkpoint options", "deepshard-checkpoint"),
+    FeatureStatus(
+        "flops_profiler",
+        "ignored",
+        "the FLOPs profiler",
+        "deepshard-profiler",
+        When("true", field="enabled"),
+    ),
+    FeatureStatus(
+        "timers",
+        "ignored",
+        "throughput timers (the progress line always has samples/s)",
+        "deepshard-profiler",
+    ),
+    *(
+        FeatureStatus(key, "ignored", f"the {name} monitor", _ENGINE, When("true", field="enabled"))
+        for key, name in (
+            ("tensorboard", "TensorBoard"),
+            ("wandb", "Weights & Biases"),
+            ("csv_monitor", "CSV"),
+            ("comet", "Comet"),
+        )
+    ),
+    FeatureStatus("aio", "ignored", "asynchronous NVMe I/O (for NVMe offload)", _ZERO),
+    FeatureStatus(
+        "tensor_parallel", "ignored", "AutoTP settings (AutoTP is planned)", "deepshard-autotp"
+    ),
+    FeatureStatus("moe", "ignored", "MoE layer settings (no MoE layer yet)", "deepshard-autoep"),
+    FeatureStatus(
+        "moe.ep_size", "available", "the expert-parallel axis of the mesh", "deepshard-comm"
+    ),
+    FeatureStatus(
+        "expert_parallel",
+        "ignored",
+        "AutoEP (the ep axis is laid out, experts are not sharded)",
+        "deepshard-autoep",
+        When("true", field="enabled"),
+    ),
+    FeatureStatus(
+        "use_data_before_expert_parallelism",
+        "ignored",
+        "expert-group rank order",
+        "deepshard-autoep",
+    ),
+    FeatureStatus(
+        "seq_parallel_communication_data_type",
+        "ignored",
+        "the Ulysses all-to-all dtype",
+        "deepshard-sequence-parallel",
+    ),
+    FeatureStatus(
+        "zero_force_ds_cpu_optimizer", "ignored", "the CPU optimizer check of offload", _ZERO
+    ),
+    *(FeatureStatus(f"zero_optimization.{key}", "ignored", _STAGE3, _ZERO) for key in _STAGE3_KEYS),
+    FeatureStatus(
+        "zero_optimization.load_from_fp32_weights",
+        "ignored",
+        "checkpoint loading",
+        "deepshard-checkpoint",
+    ),
+    FeatureStatus(
+        "zero_optimization.elastic_checkpoint",
+        "ignored",
+        "checkpoint loading",
+        "deepshard-checkpoint",
+    ),
+    FeatureStatus(
+        "zero_optimization.contiguous_gradients",
+        "ignored",
+        "no effect: gradients always live in contiguous flat buckets",
+        None,
+        When("false"),
+    ),
+    FeatureStatus(
+        "zero_optimization.round_robin_gradients",
+        "ignored",
+        "no effect: buckets are reduced in one fixed order",
+        None,
+        When("true"),
+    ),
+    FeatureStatus(
+        "zero_optimization.use_multi_rank_bucket_allreduce",
+        "ignored",
+        "no effect: each bucket is one collective",
+        None,
+    ),
+    FeatureStatus(
+        "disable_allgather",
+        "ignored",
+        "no effect: updated partitions are always all-gathered",
+        None,
+        When("true"),
+    ),
+    FeatureStatus(
+        "graph_harvesting", "ignored", "device-graph capture of the step", _ENGINE, When("true")
+    ),
+    FeatureStatus("vocabulary_size", "ignored", "the vocabulary-size warning", _ENGINE),
+    FeatureStatus(
+        "bf16.check_grad_overflow",
+        "ignored",
+        "no effect: ZeRO always skips a step whose gradients are not finite (the flag travels "
+        "in the gradient-norm all-reduce)",
+        None,
+        When("false"),
+    ),
+    FeatureStatus(
+        "bf16.immediate_grad_update",
+        "ignored",
+        "no effect: gradients are reduced into ZeRO's buckets as they are produced",
+        None,
+    ),
+    FeatureStatus("optimizer.legacy_fusion", "ignored", "no effect: DeepSpeed's legacy flag", None),
+)
+
+FEATURES: tuple[FeatureStatus, ...] = _PLANNED + _IGNORED
+"""Every row, planned ones first."""

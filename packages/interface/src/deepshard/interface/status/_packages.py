@@ -1,0 +1,118 @@
+"""The package table: every distribution of the architecture, with where it stands."""
+
+from __future__ import annotations
+
+from deepshard.interface.status._model import PackageStatus
+
+__all__ = ["PACKAGES"]
+
+PACKAGES: tuple[PackageStatus, ...] = (
+    PackageStatus(
+        "deepshard-interface",
+        "deepshard.interface",
+        "packages/interface",
+        "config schema (pydantic), topology, protocols, errors; never imports torch",
+        "available",
+    ),
+    PackageStatus(
+        "deepshard-accelerators",
+        "deepshard.accelerators",
+        "packages/accelerators",
+        "device abstraction over `torch.accelerator` (cpu, cuda, mps, xpu)",
+        "available",
+    ),
+    PackageStatus(
+        "deepshard-comm",
+        "deepshard.comm",
+        "packages/comm",
+        "process groups, the named device mesh, collectives, comms logger",
+        "available",
+    ),
+    PackageStatus(
+        "deepshard-kernels",
+        "deepshard.kernels",
+        "kernels",
+        "compiled ops (CPU Adam/Lion: AVX2, AVX-512, NEON, SVE; CUDA fused Adam) with "
+        "pure-torch twins",
+        "available",
+    ),
+    PackageStatus(
+        "deepshard-optimizers",
+        "deepshard.optimizers",
+        "packages/optimizers",
+        "Adam/AdamW, CPUAdam, Muon, Lion, DeepSpeed's LR schedules",
+        "available",
+    ),
+    PackageStatus(
+        "deepshard-zero",
+        "deepshard.zero",
+        "packages/zero",
+        "ZeRO stages 0-2 (available); stage 3, CPU offload, `Init`, `GatheredParameters` (planned)",
+        "partial",
+    ),
+    PackageStatus(
+        "deepshard-checkpoint",
+        "deepshard.checkpoint",
+        None,
+        "sharded save/load, universal format, resharding, `ds-checkpoint`",
+        "planned",
+    ),
+    PackageStatus(
+        "deepshard-autotp",
+        "deepshard.autotp",
+        None,
+        "automatic tensor parallelism for HF-style models",
+        "planned",
+    ),
+    PackageStatus(
+        "deepshard-autoep",
+        "deepshard.autoep",
+        None,
+        "automatic expert parallelism for MoE models",
+        "planned",
+    ),
+    PackageStatus(
+        "deepshard-sequence-parallel",
+        "deepshard.sequence_parallel",
+        None,
+        "Ulysses attention, tiled MLP / logits loss",
+        "planned",
+    ),
+    PackageStatus(
+        "deepshard-profiler",
+        "deepshard.profiler",
+        None,
+        "FLOPs profiler, wall-clock breakdown",
+        "planned",
+    ),
+    PackageStatus(
+        "deepshard-inference",
+        "deepshard.inference",
+        None,
+        "KV cache, generation, continuous batching",
+        "planned",
+    ),
+    PackageStatus(
+        "deepshard-launcher",
+        "deepshard.launcher",
+        "packages/launcher",
+        "the `ds-launch` CLI (local, ssh, pdsh, SLURM, Open MPI, torchrun)",
+        "available",
+    ),
+    PackageStatus(
+        "deepshard",
+        "deepshard.engine",
+        "packages/deepshard",
+        "meta-package: depends on every package; `initialize` and the training engine "
+        "(ZeRO 0-2, fp16/bf16)",
+        "available",
+    ),
+    PackageStatus(
+        "deepshard-testing",
+        "deepshard.testing",
+        "packages/testing",
+        "test-only: `run_on_mesh` on N gloo ranks, fake meshes",
+        "available",
+    ),
+)
+"""Every distribution, in the architecture's order."""

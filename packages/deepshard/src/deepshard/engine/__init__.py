@@ -29,6 +29,7 @@ from deepshard.engine.loss_scaler import (
 )
 from deepshard.interface import (
     CheckpointError,
+    CommError,
     ConfigError,
     DeepShardConfig,
     DeepShardError,
@@ -41,6 +42,7 @@ __version__ = _dist_version("deepshard")
 
 __all__ = [
     "CheckpointError",
+    "CommError",
     "ConfigError",
     "DeepShardConfig",
     "DeepShardEngine",

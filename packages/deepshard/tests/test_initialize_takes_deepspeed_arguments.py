@@ -55,9 +55,11 @@ def _write(tmp_path: Path) -> str:
             "both config= and config_params=",
         ),
         (
-            lambda p: {"model": torch.nn.Linear(2, 2), "config": _CONFIG, "args": _args(
-                deepspeed_config=p
-            )},
+            lambda p: {
+                "model": torch.nn.Linear(2, 2),
+                "config": _CONFIG,
+                "args": _args(deepspeed_config=p),
+            },
             "drop one of them",
         ),
         (

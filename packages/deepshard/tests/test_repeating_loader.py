@@ -1,4 +1,4 @@
-"""``RepeatingLoader`` restarts a re-iterable when it runs out, and refuses one it cannot restart."""
+"""``RepeatingLoader`` restarts a re-iterable when it runs out and refuses one it cannot restart."""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ def _load() -> Any:
 
 _models = _load()
 GA = 4
+STAGES = (0, 1, 2)
 
 
 def _engine(mesh: Any, stage: int, **extra: Any) -> Any:
@@ -162,21 +163,30 @@ def _destroy(mesh: Any, stage: int) -> dict[str, Any]:
     }
 
 
-def _all(mesh: Any, stage: int) -> dict[str, Any]:
+def _all(mesh: Any) -> dict[int, dict[str, Any]]:
     return {
-        "readers": _readers(mesh, stage),
-        "manual": _manual_boundary(mesh, stage),
-        "zero_grad": _zero_grad(mesh, stage),
-        "refusals": _refusals(mesh, stage),
-        "destroy": _destroy(mesh, stage),
+        stage: {
+            "readers": _readers(mesh, stage),
+            "manual": _manual_boundary(mesh, stage),
+            "zero_grad": _zero_grad(mesh, stage),
+            "refusals": _refusals(mesh, stage),
+            "destroy": _destroy(mesh, stage),
+        }
+        for stage in STAGES
     }
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_deepspeed_engine_methods(stage: int) -> None:
-    results = run_on_mesh(_all, 2, args=(stage,), timeout_s=120)
+@pytest.fixture(scope="module")
+def results() -> list[dict[int, dict[str, Any]]]:
+    """One 2-rank run covers the three stages (each run costs seconds of process start-up)."""
+    return run_on_mesh(_all, 2, timeout_s=180)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_deepspeed_engine_methods(results: list[dict[int, dict[str, Any]]], stage: int) -> None:
     adam_betas = torch.optim.AdamW([torch.zeros(1)]).defaults["betas"]
-    for got in results:
+    for by_stage in results:
+        got = by_stage[stage]
         assert got["readers"] == {
             "stage": stage,
             "bf16": True,

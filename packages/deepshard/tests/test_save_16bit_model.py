@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 
 from deepshard.testing import run_on_mesh
 
+STAGES = (0, 1, 2)
+
 
 class _Tied(torch.nn.Module):
     """An embedding whose weight the output head shares, plus a layer to freeze."""
@@ -68,10 +70,24 @@ def _save(mesh: Any, stage: int, root: str) -> dict[str, Any]:
     return {"written": str(written), "renamed": str(renamed), "refused": refused, "state": state}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_rank_0_writes_the_module_state_as_safetensors(tmp_path: Path, stage: int) -> None:
-    results = run_on_mesh(_save, 2, args=(stage, str(tmp_path)), timeout_s=120)
-    base = tmp_path / f"stage{stage}"
+def _save_each_stage(mesh: Any, root: str) -> list[dict[str, Any]]:
+    return [_save(mesh, stage, root) for stage in STAGES]
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """One 2-rank run saves at the three stages (each run costs seconds of process start-up)."""
+    root = tmp_path_factory.mktemp("save_16bit")
+    return root, run_on_mesh(_save_each_stage, 2, args=(str(root),), timeout_s=180)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_rank_0_writes_the_module_state_as_safetensors(
+    saved_runs: tuple[Path, list[Any]], stage: int
+) -> None:
+    root, runs = saved_runs
+    results = [by_rank[STAGES.index(stage)] for by_rank in runs]
+    base = root / f"stage{stage}"
     assert sorted(p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file()) == [
         "rank0/model.safetensors",
         "rank0/sub/weights.safetensors",

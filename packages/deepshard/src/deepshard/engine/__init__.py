@@ -2,7 +2,10 @@
 
 ``ds.initialize(model, config)`` returns ``(engine, optimizer, dataloader, lr_scheduler)``: the
 engine trains the model with ZeRO stage 0, 1 or 2 in fp32, bf16 or fp16 (``engine(batch)``,
-``engine.backward(loss)``, ``engine.step()``). The module also gathers the foundation a
+``engine.backward(loss)``, ``engine.step()``). A DeepSpeed script runs with its import line
+changed to ``import deepshard.engine as deepspeed``: `add_config_arguments` adds its
+``--deepspeed_config`` flag, ``initialize(args=..., model=..., ...)`` takes DeepSpeed's keywords
+and `RepeatingLoader` is DeepSpeed's endless loader. The module also gathers the foundation a
 training script starts from: the typed config, the topology, distributed start-up, the mesh
 and the accelerator.
 """
@@ -13,6 +16,8 @@ from importlib.metadata import version as _dist_version
 
 from deepshard.accelerators import get_accelerator
 from deepshard.comm import build_mesh, init_distributed
+from deepshard.engine._arguments import add_config_arguments
+from deepshard.engine._dataloader import RepeatingLoader
 from deepshard.engine._engine import DeepShardEngine, EngineParts
 from deepshard.engine._initialize import InitializeResult, initialize
 from deepshard.engine._reporting import TensorBytes
@@ -24,6 +29,7 @@ from deepshard.engine.loss_scaler import (
 )
 from deepshard.interface import (
     CheckpointError,
+    CommError,
     ConfigError,
     DeepShardConfig,
     DeepShardError,
@@ -36,6 +42,7 @@ __version__ = _dist_version("deepshard")
 
 __all__ = [
     "CheckpointError",
+    "CommError",
     "ConfigError",
     "DeepShardConfig",
     "DeepShardEngine",
@@ -45,11 +52,13 @@ __all__ = [
     "InitializeResult",
     "LaunchError",
     "LossScaler",
+    "RepeatingLoader",
     "StaticLossScaler",
     "TensorBytes",
     "Topology",
     "TopologyError",
     "__version__",
+    "add_config_arguments",
     "build_loss_scaler",
     "build_mesh",
     "get_accelerator",

@@ -7,6 +7,10 @@ The caller calls ``engine.step()`` after every micro-batch. Counting those calls
 call. Every boundary counts as a global step and adds ``train_batch_size`` samples, whether the
 update was applied or skipped for overflow (as DeepSpeed counts); skipped ones are also counted
 in ``skipped_steps``.
+
+A script may instead declare the boundary itself (DeepSpeed's
+``set_gradient_accumulation_boundary``): ``override`` then replaces the counter's answer until it
+is set back to None, so ``step()`` applies an update exactly when the script said so.
 """
 
 from __future__ import annotations
@@ -39,9 +43,13 @@ class GradientAccumulation:
         """Samples consumed by the boundaries so far."""
         self.skipped_steps = 0
         """Boundaries whose update was skipped for overflow."""
+        self.override: bool | None = None
+        """The boundary the script declared; None follows the counter."""
 
     def is_boundary(self) -> bool:
         """Whether the current micro-step (the next ``step()`` call) ends a cycle."""
+        if self.override is not None:
+            return self.override
         return (self.micro_steps + 1) % self.steps == 0
 
     def advance(self, *, applied: bool) -> None:

@@ -5,18 +5,59 @@ share of the dataset through ``torch.utils.data.DistributedSampler`` (shuffled w
 same permutation on every rank, as DeepSpeed's loader does), in micro-batches of
 ``train_micro_batch_size_per_gpu``. Tensor- and sequence-parallel peers read the same samples.
 Call ``loader.sampler.set_epoch(epoch)`` for a new permutation each epoch.
+
+`RepeatingLoader` (DeepSpeed's name) turns any re-iterable loader into an endless one, for loops
+that count steps rather than epochs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from deepshard.interface.errors import ConfigError
 
-__all__ = ["build_dataloader"]
+__all__ = ["RepeatingLoader", "build_dataloader"]
+
+_T = TypeVar("_T")
+
+
+class RepeatingLoader(Generic[_T]):
+    """An endless iterator over ``loader``: when it is exhausted, it is iterated again.
+
+    As DeepSpeed's ``RepeatingLoader``, so ``next(it)`` never ends a step-counted loop. A
+    `DistributedSampler` keeps its epoch across restarts; call ``loader.sampler.set_epoch`` for
+    a new permutation.
+
+    Args:
+        loader: A re-iterable (a ``DataLoader``, a list...); each restart calls ``iter`` on it
+            again.
+    """
+
+    def __init__(self, loader: Iterable[_T]) -> None:
+        self.loader = loader
+        self._iterator = iter(loader)
+
+    def __iter__(self) -> Iterator[_T]:
+        return self
+
+    def __next__(self) -> _T:
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._iterator = iter(self.loader)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            # An exhausted iterator (a generator, iter(loader)) or an empty loader yields
+            # nothing after a restart: repeating it would end the loop or spin forever.
+            raise ConfigError(
+                f"RepeatingLoader: {type(self.loader).__name__} yielded nothing when iterated "
+                "again; wrap a re-iterable (a DataLoader, a list), not an iterator or generator, "
+                "and make sure it is not empty"
+            ) from None
 
 
 def build_dataloader(

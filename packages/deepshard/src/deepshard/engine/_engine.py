@@ -17,6 +17,12 @@ engine.gradient_accumulation_steps()).backward()``. Without ``scale`` an fp16 ru
 would be divided by a loss scale they were never multiplied by (fp32 and bf16 runs have scale 1,
 so only the division by the accumulation steps matters there).
 
+A DeepSpeed script may also use ``engine.no_sync()`` (not nested) or
+``engine.set_gradient_accumulation_boundary(flag)`` to choose the boundary itself, and
+``engine.save_16bit_model(save_dir)`` (safetensors, `deepshard.engine._export`). A DeepSpeed
+engine name DeepShard leaves out raises an ``AttributeError`` saying what to use instead
+(`deepshard.engine._unsupported`).
+
 Checkpoints are the checkpoint package's: it reads ``optimizer.shard_maps()`` and
 ``optimizer.state_dict()`` (ZeRO), ``lr_scheduler.state_dict()``, ``loss_scaler.state_dict()``
 and ``accumulation.state_dict()`` (the step counters) from the engine's parts.
@@ -27,18 +33,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from deepshard.comm import CommsLogger
+from deepshard.comm import CommsLogger, DistInfo
+from deepshard.engine import _export
 from deepshard.engine._accumulation import GradientAccumulation
+from deepshard.engine._engine_reads import EngineReads
 from deepshard.engine._precision import Precision
-from deepshard.engine._reporting import ProgressReporter, TensorBytes, tensor_bytes
+from deepshard.engine._reporting import ProgressReporter
+from deepshard.engine._unsupported import refused_attribute_message
 from deepshard.engine.loss_scaler import LossScaler
 from deepshard.interface import BatchSizes, DeepShardConfig
-from deepshard.interface.errors import ConfigError
+from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero import ZeroOptimizer
 
 __all__ = ["DeepShardEngine", "EngineParts"]
@@ -60,6 +70,7 @@ class EngineParts:
         accumulation: The micro-step and step counters.
         reporter: Progress lines and timers.
         comms_logger: The communication logger passed to ZeRO, or None.
+        world: Where this process sits in the world (global and local rank, world size).
     """
 
     config: DeepShardConfig
@@ -73,10 +84,29 @@ class EngineParts:
     accumulation: GradientAccumulation
     reporter: ProgressReporter
     comms_logger: CommsLogger | None
+    world: DistInfo
 
 
-class DeepShardEngine(torch.nn.Module):
+def _check_loss(loss: Any, what: str) -> torch.Tensor:
+    """``loss`` if it is a one-element tensor (what ``backward`` without a gradient needs)."""
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"engine.{what}(loss) needs a tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ConfigError(
+            f"engine.{what}(loss) needs a scalar loss, got shape {tuple(loss.shape)}; reduce "
+            "it first, e.g. loss.mean() (or loss.sum())"
+        )
+    return loss
+
+
+class DeepShardEngine(EngineReads, torch.nn.Module):
     """The training engine `deepshard.engine.initialize` returns.
+
+    Attributes:
+        global_rank: This process's rank in the world.
+        local_rank: Its rank on this node (the device index).
+        world_size: The number of processes.
+        device: Where the model lives.
 
     Args:
         module: The model (already cast and on its device).
@@ -94,10 +124,24 @@ class DeepShardEngine(torch.nn.Module):
         self.comms_logger = parts.comms_logger
         self.mesh = parts.mesh
         self.device = parts.device
+        self.global_rank = parts.world.rank
+        self.local_rank = parts.world.local_rank
+        self.world_size = parts.world.world_size
         self._timers = parts.reporter.timers
         self._step_applied = False
         self._grad_norm: float | None = None
+        self._in_no_sync = False
+        self._destroyed = False
         self._declare_boundary()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            message = refused_attribute_message(type(self).__name__, name)
+            if message is None:
+                raise
+            raise AttributeError(message, name=name, obj=self) from None
 
     # --- the training loop ----------------------------------------------------------------
 
@@ -123,8 +167,9 @@ class DeepShardEngine(torch.nn.Module):
             The loss divided by the accumulation steps (not multiplied by the loss scale).
 
         Raises:
-            ConfigError: The engine has no optimizer.
+            ConfigError: The engine has no optimizer, or ``loss`` is not a scalar.
         """
+        _check_loss(loss, "backward")
         zero = self._require_optimizer("backward")
         self.parts.reporter.add_loss(loss)
         accumulated = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
@@ -140,7 +185,11 @@ class DeepShardEngine(torch.nn.Module):
         """``loss`` times the current loss scale (itself when the scale is 1).
 
         For a plain ``loss.backward()``: ``engine.scale(loss / accumulation_steps).backward()``.
+
+        Raises:
+            ConfigError: ``loss`` is not a scalar.
         """
+        _check_loss(loss, "scale")
         scale = self.loss_scaler.scale
         return loss if scale == 1.0 else loss.float() * scale
 
@@ -150,9 +199,15 @@ class DeepShardEngine(torch.nn.Module):
         Raises:
             ConfigError: The engine has no optimizer, or gradients overflow at
                 ``fp16.min_loss_scale``.
-            CommError: No boundary backward pass preceded the boundary's step.
+            CommError: No boundary backward pass preceded the boundary's step, or the call
+                is inside ``no_sync()``.
         """
         zero = self._require_optimizer("step")
+        if self._in_no_sync:
+            raise CommError(
+                "engine.step() was called inside engine.no_sync(); leave the block first (its "
+                "backward passes only accumulate, the step belongs to the boundary pass after it)"
+            )
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         loss_scale = self.loss_scaler.scale
@@ -181,6 +236,11 @@ class DeepShardEngine(torch.nn.Module):
             self.optimizer.set_boundary(self.is_gradient_accumulation_boundary())
 
     def _require_optimizer(self, what: str) -> ZeroOptimizer:
+        if self._destroyed:
+            raise CommError(
+                f"engine.{what}() was called after engine.destroy(); build a new engine with "
+                "deepshard.engine.initialize"
+            )
         if self.optimizer is None:
             raise ConfigError.from_problems(
                 [
@@ -195,16 +255,37 @@ class DeepShardEngine(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate gradients (no boundary, no update)."""
+        """Backward passes inside only accumulate gradients (no boundary, no update).
+
+        Raises:
+            CommError: ``no_sync()`` is already active (nesting is refused, as in DeepSpeed).
+        """
         zero = self._require_optimizer("no_sync")
-        with zero.no_sync():
-            yield
+        if self._in_no_sync:
+            raise CommError(
+                "engine.no_sync() is already active; nested no_sync() blocks are not supported, "
+                "use one block around all the accumulating backward passes"
+            )
+        self._in_no_sync = True
+        try:
+            with zero.no_sync():
+                yield
+        finally:
+            self._in_no_sync = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last step (ZeRO always frees them)."""
         self._require_optimizer("zero_grad").zero_grad(set_to_none)
 
-    # --- what the loop reads --------------------------------------------------------------
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Declare whether the coming backward pass and ``step()`` end an accumulation cycle.
+
+        As DeepSpeed's: the declaration stands until changed, replacing the micro-step
+        counter, so a loop can set False, run its accumulating passes, set True, run the last
+        pass and call ``step()`` once. ``None`` hands the decision back to the counter.
+        """
+        self.accumulation.override = is_boundary
+        self._declare_boundary()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step's ``step()`` will apply an update."""
@@ -214,52 +295,56 @@ class DeepShardEngine(torch.nn.Module):
         """Whether the last ``step()`` applied an update (False off-boundary or on overflow)."""
         return self._step_applied
 
-    @property
-    def global_steps(self) -> int:
-        """Optimizer steps so far (applied or skipped for overflow)."""
-        return self.accumulation.global_steps
+    def destroy(self) -> None:
+        """Detach ZeRO from the module and drop its gradients; the engine cannot train after.
 
-    @property
-    def global_samples(self) -> int:
-        """Samples consumed by those steps over all data-parallel ranks."""
-        return self.accumulation.global_samples
+        The module keeps its trained weights and can be wrapped again. The process group is
+        left alone (other engines may use it): ``torch.distributed.destroy_process_group()``
+        ends it. Calling ``destroy`` twice does nothing.
+        """
+        if self._destroyed:
+            return
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+            self.optimizer.remove_hooks()
+        self._destroyed = True
 
-    @property
-    def micro_steps(self) -> int:
-        """``step()`` calls so far."""
-        return self.accumulation.micro_steps
+    # --- weights out ----------------------------------------------------------------------
 
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because a gradient overflowed."""
-        return self.accumulation.skipped_steps
+    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The module's ``state_dict()`` (live tensors), without frozen parameters when asked."""
+        return _export.module_state_dict(
+            self.module, exclude_frozen_parameters=exclude_frozen_parameters
+        )
 
-    def get_lr(self) -> list[float]:
-        """The learning rate of each param group (empty without an optimizer)."""
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        return [float(group["lr"]) for group in groups]
+    def save_16bit_model(
+        self,
+        save_dir: str | Path,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> Path:
+        """Write the model's weights to one safetensors file; every rank must call it.
 
-    def get_global_grad_norm(self) -> float | None:
-        """The global norm of the last step's unscaled gradients, before clipping."""
-        return self._grad_norm
+        Rank 0 writes the module's state dict in its training dtype (16-bit under bf16/fp16);
+        DeepShard never pickles, so DeepSpeed's default name ``pytorch_model.bin`` becomes
+        ``model.safetensors`` (Hugging Face's name) and another ``.bin``/``.pt``/``.pth``/
+        ``.ckpt`` name gets the ``.safetensors`` suffix.
 
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1 unless training in float16)."""
-        return self.loss_scaler.scale
+        Args:
+            save_dir: The directory (created when missing).
+            save_filename: The file name, as in DeepSpeed.
+            exclude_frozen_parameters: Leave out parameters with ``requires_grad=False``.
 
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks."""
-        return self.parts.batch.train_batch_size
+        Returns:
+            The written file's path (truthy, where DeepSpeed returns True).
 
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples per forward/backward pass on one rank."""
-        return self.parts.batch.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-batches accumulated per optimizer step."""
-        return self.parts.batch.gradient_accumulation_steps
-
-    def memory_bytes(self) -> TensorBytes:
-        """This rank's parameter, gradient, master-weight and optimizer-state bytes."""
-        return tensor_bytes(self.module, self.optimizer)
+        Raises:
+            ConfigError: ``save_filename`` has another suffix.
+        """
+        return _export.save_16bit_model(
+            self.module,
+            save_dir,
+            save_filename,
+            mesh=self.mesh,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )

@@ -1,9 +1,11 @@
 """`initialize`: build every part of a training run from a model and a config, in order.
 
-1. Parse the config (a path, a dict or a `DeepShardConfig`) and refuse what the engine cannot
-   run (`check_engine_config`).
-2. Join the world (`deepshard.comm.init_distributed`) and build the mesh from the config's
-   topology, unless the caller passes a mesh.
+1. Check DeepSpeed's extra arguments (`deepshard.engine._arguments`): a model is given, the one
+   config comes from ``config``, ``config_params`` or ``args.deepspeed_config``, no ``mpu``.
+   Parse the config (a path, a dict or a `DeepShardConfig`) and refuse what the engine cannot
+   run (`check_engine_config`). All of this happens before joining the world.
+2. Join the world (`deepshard.comm.init_distributed`, as ``dist_init_required`` says) and build
+   the mesh from the config's topology, unless the caller passes a mesh.
 3. Reconcile the batch sizes for the ranks that read different samples (dp × ep).
 4. Move and cast the model (`Precision`), then build the optimizer on its parameters (the
    caller's wins over the config's), wrap it with ZeRO, and build the LR schedule on the wrapper.
@@ -22,8 +24,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
 from deepshard.accelerators import get_accelerator
-from deepshard.comm import CommsLogger, build_mesh, init_distributed
+from deepshard.comm import CommsLogger, build_mesh
 from deepshard.engine._accumulation import GradientAccumulation
+from deepshard.engine._arguments import (
+    ConfigSource,
+    check_model,
+    config_source,
+    join_world,
+    refuse_model_parallel_objects,
+)
 from deepshard.engine._checks import check_engine_config
 from deepshard.engine._components import (
     OptimizerArg,
@@ -70,7 +79,7 @@ class InitializeResult(NamedTuple):
     """The LR schedule the engine steps, or None."""
 
 
-def _load_config(config: str | Path | dict[str, Any] | DeepShardConfig) -> DeepShardConfig:
+def _load_config(config: ConfigSource) -> DeepShardConfig:
     if isinstance(config, DeepShardConfig):
         return config
     if isinstance(config, dict):
@@ -150,24 +159,34 @@ def _loader(
 
 
 def initialize(
-    model: torch.nn.Module,
-    config: str | Path | dict[str, Any] | DeepShardConfig,
+    model: torch.nn.Module | None = None,
+    config: ConfigSource | None = None,
     optimizer: OptimizerArg = None,
     model_parameters: Iterable[Any] | None = None,
     lr_scheduler: SchedulerArg = None,
     training_data: Dataset[Any] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     mesh: DeviceMesh | None = None,
+    *,
+    args: Any = None,
+    config_params: ConfigSource | None = None,
+    dist_init_required: bool | None = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    mesh_param: Any = None,
 ) -> InitializeResult:
     """Builds the training engine, optimizer, data loader and LR schedule for ``model``.
 
-    Every rank calls it with the same config and an identically initialised model.
+    Every rank calls it with the same config and an identically initialised model. Every
+    argument of DeepSpeed 0.19.7's ``deepspeed.initialize`` is accepted by keyword
+    (``initialize(args=args, model=net, model_parameters=params, training_data=data)``); the
+    positional order is DeepShard's (``initialize(model, config)``).
 
     Args:
         model: The model to train. It is moved to the training device and cast to the
             training dtype in place (its parameter objects are kept).
         config: A DeepSpeed-style config: a JSON/HJSON file path, a dict or a
-            `DeepShardConfig`.
+            `DeepShardConfig`. When None, ``config_params`` or ``args`` names it.
         optimizer: An optimizer built on the model's parameters, or a callable building one
             from ``model_parameters``; wins over the config's ``optimizer`` section.
         model_parameters: What the optimizer trains (parameters or param groups); defaults to
@@ -179,20 +198,36 @@ def initialize(
         mesh: The device mesh (axes named as `deepshard.interface.Topology.AXES`). When None,
             the process joins the world with `deepshard.comm.init_distributed` and the mesh is
             built from the config's topology.
+        args: The script's parsed arguments: ``args.deepspeed_config`` or
+            ``args.deepshard_config`` (see `add_config_arguments`) names the config file when
+            ``config`` is not given.
+        config_params: DeepSpeed's older name for ``config`` (give one of the two).
+        dist_init_required: None or True: join the world unless the default process group
+            exists; False: it must exist already.
+        distributed_port: Rank 0's port, used where the launcher set no ``MASTER_PORT``.
+        mpu: Refused: DeepShard builds its process groups from the config's layout
+            (``tensor_parallel.autotp_size``, ``sequence_parallel_size``, ``moe``).
+        mesh_param: Refused likewise (set ``sequence_parallel_size``).
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``.
 
     Raises:
-        ConfigError: The config is invalid or asks for something the engine does not run; the
+        ConfigError: No model; no config, two of them, or a config file that does not exist;
+            an ``mpu``; the config is invalid or asks for something the engine does not run; the
             batch sizes disagree with the world; the optimizer, schedule or ZeRO settings are
             refused. Each problem names its key.
         TopologyError: The world does not fit the config's parallel degrees or the mesh.
+        CommError: ``dist_init_required=False`` without a process group, or the rendezvous
+            failed.
     """
-    parsed = _load_config(config)
+    model = check_model(model)
+    refuse_model_parallel_objects(mpu, mesh_param)
+    parsed = _load_config(config_source(config, config_params, args))
     check_engine_config(parsed)
+    world = join_world(dist_init_required if mesh is None else False, distributed_port)
     if mesh is None:
-        mesh = build_mesh(parsed.topology(init_distributed().world_size))
+        mesh = build_mesh(parsed.topology(world.world_size))
     ranks = MeshRanks(mesh)
     batch = parsed.resolve_batch(ranks.batch_world_size)
     announce(parsed, rank=ranks.global_rank, environ=os.environ)
@@ -227,6 +262,7 @@ def initialize(
             memory=lambda: tensor_bytes(model, zero),
         ),
         comms_logger=comms,
+        world=world,
     )
     loader = _loader(training_data, collate_fn, parsed, batch, ranks)
     return InitializeResult(DeepShardEngine(model, parts), zero, loader, schedule)

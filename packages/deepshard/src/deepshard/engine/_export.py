@@ -1,0 +1,116 @@
+"""``save_16bit_model``: the trained weights as one safetensors file, written by rank 0.
+
+At ZeRO stages 0-2 every rank holds the whole model in its training dtype (only gradients and
+optimizer state are partitioned), so nothing has to be gathered: rank 0 copies its module's
+``state_dict()`` to the CPU and writes it; the other ranks build nothing and wait at a barrier, so
+the file exists on return everywhere. The tensors keep the module's dtypes: 16-bit under ``bf16``
+or ``fp16``, fp32 otherwise (DeepSpeed saves the module's state dict as it is, too). ZeRO-3
+(parameters partitioned) will gather them here when it lands.
+
+DeepShard never pickles, so the file is safetensors whatever name is asked for. The name rule:
+
+* ``*.safetensors`` is kept;
+* DeepSpeed's default ``pytorch_model.bin`` becomes ``model.safetensors``, the name Hugging Face's
+  ``from_pretrained`` looks for, so ``save_16bit_model(out_dir)`` followed by
+  ``AutoModel.from_pretrained(out_dir)`` works as it does after DeepSpeed;
+* another pickle name (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) keeps its stem with the
+  ``.safetensors`` suffix (``weights.pt`` → ``weights.safetensors``);
+* any other name is refused, naming the argument and this rule.
+
+Each tensor is copied out of ZeRO's flat buffer (safetensors refuses tensors that share storage),
+and tied parameters are written under each of their names, so ``load_state_dict`` finds every key.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path, PurePath
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.device_mesh import DeviceMesh
+
+from deepshard.comm import barrier
+from deepshard.interface.errors import ConfigError
+
+__all__ = ["module_state_dict", "safetensors_filename", "save_16bit_model"]
+
+_log = logging.getLogger("deepshard.engine")
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_RENAMED = {"pytorch_model.bin": "model.safetensors"}
+_METADATA = {"format": "pt"}  # what Hugging Face's loaders check for
+
+
+def safetensors_filename(save_filename: str) -> str:
+    """The file name `save_16bit_model` writes for the requested ``save_filename``.
+
+    Raises:
+        ConfigError: The name has neither the ``.safetensors`` suffix nor a pickle suffix.
+    """
+    name = PurePath(save_filename)
+    if name.suffix == ".safetensors":
+        return save_filename
+    if name.name in _RENAMED:
+        return str(name.with_name(_RENAMED[name.name]))
+    if name.suffix in _PICKLE_SUFFIXES:
+        return str(name.with_suffix(".safetensors"))
+    raise ConfigError(
+        f"save_16bit_model(save_filename={save_filename!r}): DeepShard writes safetensors only; "
+        "name the file *.safetensors (a .bin/.pt/.pth/.ckpt name is renamed to .safetensors, "
+        "pytorch_model.bin to model.safetensors)"
+    )
+
+
+def module_state_dict(
+    module: torch.nn.Module, *, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor]:
+    """The module's state dict (live tensors), without frozen parameters when asked."""
+    state = module.state_dict()
+    if exclude_frozen_parameters:
+        for name, param in module.named_parameters():
+            if not param.requires_grad:
+                state.pop(name, None)
+    return state
+
+
+def _cpu_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
+
+
+def _world(mesh: DeviceMesh) -> DeviceMesh:
+    return mesh if mesh.ndim == 1 else mesh._flatten()
+
+
+def save_16bit_model(
+    module: torch.nn.Module,
+    save_dir: str | Path,
+    save_filename: str,
+    *,
+    mesh: DeviceMesh,
+    exclude_frozen_parameters: bool = False,
+) -> Path:
+    """Writes the module's weights as safetensors from rank 0; every rank must call it.
+
+    Args:
+        module: The trained module (whole on every rank: ZeRO stages 0-2).
+        save_dir: The directory; created when missing.
+        save_filename: The requested file name (see `safetensors_filename` for the rule).
+        mesh: The training mesh: rank 0 of it writes, and all of it waits for the file.
+        exclude_frozen_parameters: Leave out parameters with ``requires_grad=False``.
+
+    Returns:
+        The path of the written file (on every rank).
+
+    Raises:
+        ConfigError: The file name is refused (on every rank, before any communication).
+    """
+    path = Path(save_dir) / safetensors_filename(save_filename)
+    if mesh.get_rank() == 0:
+        if path.name != PurePath(save_filename).name:
+            _log.warning("save_16bit_model: writing %s (safetensors, not a pickle)", path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = module_state_dict(module, exclude_frozen_parameters=exclude_frozen_parameters)
+        save_file(_cpu_copies(state), str(path), metadata=_METADATA)
+    barrier(group=_world(mesh))
+    return path

@@ -3,7 +3,7 @@
 The config schema accepts every DeepSpeed key. Features that change what training computes but
 are not wired into this engine yet are refused with the key to change, before anything is built:
 running them silently as plain data parallelism would train something else than asked. Features
-that only observe (monitors, the FLOPs profiler) are reported once as not active, as is a
+that only observe (monitors) are reported once as not active, as is a
 ``bf16.check_grad_overflow: false`` (ZeRO's overflow check costs nothing, so it stays on).
 """
 
@@ -122,7 +122,6 @@ def ignored_settings(config: DeepShardConfig) -> list[str]:
         "wandb.enabled": config.wandb.enabled,
         "csv_monitor.enabled": config.csv_monitor.enabled,
         "comet.enabled": config.comet.enabled,
-        "flops_profiler.enabled": config.flops_profiler.enabled,
     }
     lines = [f"{key}: {_NOT_WIRED}; ignored" for key, enabled in monitors.items() if enabled]
     if config.bf16.enabled and not config.bf16.check_grad_overflow:

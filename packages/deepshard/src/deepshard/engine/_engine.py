@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from deepshard.comm import CommsLogger
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._precision import Precision
+from deepshard.engine._profiling import StepProfiling
 from deepshard.engine._reporting import ProgressReporter, TensorBytes, tensor_bytes
 from deepshard.engine.loss_scaler import LossScaler
 from deepshard.interface import BatchSizes, DeepShardConfig
@@ -60,6 +61,7 @@ class EngineParts:
         accumulation: The micro-step and step counters.
         reporter: Progress lines and timers.
         comms_logger: The communication logger passed to ZeRO, or None.
+        profiling: The ``flops_profiler`` step profile.
     """
 
     config: DeepShardConfig
@@ -73,6 +75,7 @@ class EngineParts:
     accumulation: GradientAccumulation
     reporter: ProgressReporter
     comms_logger: CommsLogger | None
+    profiling: StepProfiling
 
 
 class DeepShardEngine(torch.nn.Module):
@@ -104,6 +107,7 @@ class DeepShardEngine(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward (under autocast / with fp16 inputs when configured)."""
         precision = self.parts.precision
+        self.parts.profiling.before_forward(self.global_steps)
         with self._timers.time("forward"), precision.forward_context(self.device.type):
             args, kwargs = precision.inputs(args, kwargs)
             return self.module(*args, **kwargs)
@@ -167,6 +171,7 @@ class DeepShardEngine(torch.nn.Module):
         self.accumulation.advance(applied=self._step_applied)
         self._declare_boundary()
         if boundary:
+            self.parts.profiling.after_step(self.global_steps - 1, self._timers.end_step())
             self.parts.reporter.end_step(
                 step=self.global_steps,
                 lrs=self.get_lr(),

@@ -44,7 +44,7 @@ class ProfilerError(DeepShardError, RuntimeError):
 def _device_synchronizer(model: torch.nn.Module) -> Callable[[], None]:
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):  # nothing is queued: no device to wait for
         return lambda: None
     from deepshard.accelerators import get_accelerator
 
@@ -169,6 +169,12 @@ class FlopsProfiler:
     def _known_peak(self) -> float | None:
         param = next(self.model.parameters(), None)
         return None if param is None else peak_flops_of(param.device, param.dtype)
+
+    def set_peak_flops(self, peak_flops: float | None) -> None:
+        """Set (or, with None, look up again) the peak FLOP/s the MFU is computed against."""
+        if peak_flops is not None and peak_flops <= 0:
+            raise ProfilerError(f"peak_flops must be positive FLOP/s, got {peak_flops}")
+        self._peak = peak_flops
 
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward FLOPs of the model (``as_string``: e.g. ``"866.08 M"``)."""

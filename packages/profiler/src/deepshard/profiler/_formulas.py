@@ -66,15 +66,28 @@ def _first_tensor(value: Any) -> Any:
 def elementwise_flops(a: Sequence[int] | None, b: Sequence[int] | None) -> int:
     """One FLOP per element of the broadcast result (a scalar operand is ``None``).
 
+    Broadcasting aligns the shapes from the trailing dimension (the shorter one is padded with
+    1s on the left), so ``[2, 3, 4] × [4]`` has 24 elements, not the 48 of a left alignment.
+
     Args:
         a: The first operand's shape, or None for a Python scalar.
         b: The second operand's shape, or None for a Python scalar.
 
     Returns:
         ``numel(broadcast_shapes(a, b))``; 1 when both are scalars.
+
+    Raises:
+        ValueError: The shapes do not broadcast.
     """
-    shapes = [torch.Size(s) for s in (a, b) if s is not None]
-    return math.prod(torch.broadcast_shapes(*shapes)) if shapes else 1
+    x, y = tuple(a or ()), tuple(b or ())
+    width = max(len(x), len(y))
+    x, y = (1,) * (width - len(x)) + x, (1,) * (width - len(y)) + y
+    count = 1
+    for m, n in zip(x, y):
+        if m != n and 1 not in (m, n):
+            raise ValueError(f"shapes {tuple(a or ())} and {tuple(b or ())} do not broadcast")
+        count *= n if m == 1 else m
+    return count
 
 
 def conv_macs(
@@ -158,10 +171,9 @@ def _sdpa(first: int, *, backward: bool) -> Formula:
 
 
 def _elementwise(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Counts:
-    other = args[1] if len(args) > 1 else kwargs.get("other")
-    a = _shape(args[0]) if isinstance(args[0], torch.Tensor) else None
-    b = _shape(other) if isinstance(other, torch.Tensor) else None
-    return elementwise_flops(a, b), 0
+    # The operator ran, so its result (the operand itself for an in-place one) has exactly the
+    # broadcast shape: its size is `elementwise_flops` of the operands, without recomputing it.
+    return _numel(_first_tensor(out)), 0
 
 
 def _per_element(factor: int, *, of_output: bool = False) -> Formula:

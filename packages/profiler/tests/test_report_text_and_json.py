@@ -30,7 +30,11 @@ def _ticks() -> object:
 def test_the_text_report_has_summary_aggregate_and_tree(capsys: pytest.CaptureFixture[str]) -> None:
     flops, macs, params = get_model_profile(_model(), input_shape=(2, 8), top_modules=2)
     text = capsys.readouterr().out
-    assert (flops, macs, params) == (2 * (2 * 8 * 16 + 2 * 16 * 4) + 2 * 16, 2 * (8 * 16 + 16 * 4), 212)
+    assert (flops, macs, params) == (
+        2 * (2 * 8 * 16 + 2 * 16 * 4) + 2 * 16,
+        2 * (8 * 16 + 16 * 4),
+        212,
+    )
     assert "Profile summary at step 1" in text and "Top 2 modules" in text
     assert "depth 2:" in text and "(0): Linear(" in text and "Params" in text
     assert "FLOPs per operator" in text and "addmm" in text

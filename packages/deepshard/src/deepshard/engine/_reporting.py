@@ -34,6 +34,7 @@ __all__ = [
 
 _log = logging.getLogger("deepshard.engine")
 
+
 def _format_bytes(count: int) -> str:
     value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -83,7 +83,7 @@ def elementwise_flops(a: Sequence[int] | None, b: Sequence[int] | None) -> int:
     width = max(len(x), len(y))
     x, y = (1,) * (width - len(x)) + x, (1,) * (width - len(y)) + y
     count = 1
-    for m, n in zip(x, y):
+    for m, n in zip(x, y, strict=True):
         if m != n and 1 not in (m, n):
             raise ValueError(f"shapes {tuple(a or ())} and {tuple(b or ())} do not broadcast")
         count *= n if m == 1 else m

@@ -27,7 +27,7 @@ __all__ = [
 
 
 def number_to_string(value: float, suffix: str = "", precision: int = 2) -> str:
-    """``value`` with a metric prefix, e.g. ``number_to_string(1.5e9, "FLOPS")`` → ``1.5 GFLOPS``."""
+    """``value`` with a metric prefix: ``number_to_string(1.5e9, "FLOPS")`` is ``1.5 GFLOPS``."""
     magnitude = abs(value)
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
         if magnitude >= scale:
@@ -215,7 +215,11 @@ def _model_flops(profile: ModelProfile, step: TrainingStep) -> float:
 
 def _training_items(profile: ModelProfile, step: TrainingStep) -> Iterator[tuple[str, Any]]:
     root = profile.root
-    bwd = root.backward_flops if profile.backward_counted else (2 + step.recompute_fwd_factor) * root.flops
+    bwd = (
+        root.backward_flops
+        if profile.backward_counted
+        else (2 + step.recompute_fwd_factor) * root.flops
+    )
     iter_s = step.forward_s + step.backward_s + step.step_s
     samples = step.micro_batch_per_device * step.micro_steps * step.dp_size
     yield "world size", step.world_size
@@ -269,7 +273,11 @@ def aggregated_text(profile: ModelProfile, module_depth: int, top_modules: int) 
     for depth in range(last + 1):
         rows = per_depth[depth]
         lines.append(f"depth {depth}:")
-        for label, column, unit in (("params", 0, ""), ("MACs", 1, "MACs"), ("fwd latency", 2, "s")):
+        for label, column, unit in (
+            ("params", 0, ""),
+            ("MACs", 1, "MACs"),
+            ("fwd latency", 2, "s"),
+        ):
             best = sorted(rows.items(), key=lambda item: item[1][column], reverse=True)
             shown = {k: number_to_string(v[column], unit).strip() for k, v in best[:top_modules]}
             lines.append(f"    {label:<12}- {shown}")
@@ -291,7 +299,8 @@ def detailed_text(profile: ModelProfile, module_depth: int) -> str:
         if module_depth != -1 and depth > module_depth:
             continue
         items = [
-            f"{number_to_string(module.params).strip()} = {_share(module.params, root.params)} Params",
+            f"{number_to_string(module.params).strip()} = "
+            f"{_share(module.params, root.params)} Params",
             f"{number_to_string(module.macs, 'MACs')} = {_share(module.macs, root.macs)} MACs",
             f"{number_to_string(module.duration_s, 's')} = "
             f"{_share(module.duration_s, root.duration_s)} latency",
@@ -318,7 +327,10 @@ def profile_text(
         aggregated_text(profile, module_depth, top_modules),
     ]
     if detailed:
-        parts += [f"\n{rule} Detailed profile per device {rule}", detailed_text(profile, module_depth)]
+        parts += [
+            f"\n{rule} Detailed profile per device {rule}",
+            detailed_text(profile, module_depth),
+        ]
     if profile.ops:
         parts += [f"\n{rule} FLOPs per operator (fwd, bwd) {rule}"]
         parts += [f"{name:<48}{f:>16,}{b:>16,}" for name, (f, b) in profile.ops.items()]

@@ -44,6 +44,7 @@ from deepshard.engine import _export
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._engine_reads import EngineReads
 from deepshard.engine._precision import Precision
+from deepshard.engine._profiling import StepProfiling
 from deepshard.engine._reporting import ProgressReporter
 from deepshard.engine._unsupported import refused_attribute_message
 from deepshard.engine.loss_scaler import LossScaler
@@ -71,6 +72,7 @@ class EngineParts:
         reporter: Progress lines and timers.
         comms_logger: The communication logger passed to ZeRO, or None.
         world: Where this process sits in the world (global and local rank, world size).
+        profiling: The ``flops_profiler`` step profile.
     """
 
     config: DeepShardConfig
@@ -85,6 +87,7 @@ class EngineParts:
     reporter: ProgressReporter
     comms_logger: CommsLogger | None
     world: DistInfo
+    profiling: StepProfiling
 
 
 def _check_loss(loss: Any, what: str) -> torch.Tensor:
@@ -148,6 +151,7 @@ class DeepShardEngine(EngineReads, torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward (under autocast / with fp16 inputs when configured)."""
         precision = self.parts.precision
+        self.parts.profiling.before_forward(self.global_steps)
         with self._timers.time("forward"), precision.forward_context(self.device.type):
             args, kwargs = precision.inputs(args, kwargs)
             return self.module(*args, **kwargs)
@@ -222,6 +226,7 @@ class DeepShardEngine(EngineReads, torch.nn.Module):
         self.accumulation.advance(applied=self._step_applied)
         self._declare_boundary()
         if boundary:
+            self.parts.profiling.after_step(self.global_steps - 1, self._timers.end_step())
             self.parts.reporter.end_step(
                 step=self.global_steps,
                 lrs=self.get_lr(),

@@ -9,7 +9,8 @@
 3. Reconcile the batch sizes for the ranks that read different samples (dp × ep).
 4. Move and cast the model (`Precision`), then build the optimizer on its parameters (the
    caller's wins over the config's), wrap it with ZeRO, and build the LR schedule on the wrapper.
-5. Build the loss scaler, the counters, the reporter and, given ``training_data``, the loader.
+5. Build the loss scaler, the counters, the reporter (with the profiler's wall-clock timers),
+   the ``flops_profiler`` step profile and, given ``training_data``, the loader.
 """
 
 from __future__ import annotations
@@ -45,18 +46,14 @@ from deepshard.engine._dataloader import build_dataloader
 from deepshard.engine._engine import DeepShardEngine, EngineParts
 from deepshard.engine._logging import announce, log_all_ranks
 from deepshard.engine._precision import plan_precision
-from deepshard.engine._reporting import (
-    REDUCE_LOG_NAMES,
-    PhaseTimers,
-    ProgressReporter,
-    TensorBytes,
-    tensor_bytes,
-)
+from deepshard.engine._profiling import StepProfiling
+from deepshard.engine._reporting import ProgressReporter, TensorBytes, tensor_bytes
 from deepshard.engine._zero_wiring import MeshRanks, wrap_with_zero
 from deepshard.engine.loss_scaler import build_loss_scaler
 from deepshard.interface import BatchSizes, DeepShardConfig
 from deepshard.interface.config import CommsLoggerConfig
 from deepshard.interface.errors import ConfigError
+from deepshard.profiler import WallClockTimers
 from deepshard.zero import ZeroOptimizer
 
 __all__ = ["InitializeResult", "initialize"]
@@ -97,12 +94,16 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return get_accelerator(mesh.device_type).current_device()
 
 
+def _timed(config: DeepShardConfig) -> bool:
+    # The FLOPs profile prints the step's latencies, so it turns the timers on (as DeepSpeed).
+    return config.wall_clock_breakdown or config.flops_profiler.enabled
+
+
 def _comms_logger(config: DeepShardConfig, rank: int) -> CommsLogger | None:
     if config.comms_logger.enabled:
         return CommsLogger(config.comms_logger, rank=rank)
-    if config.wall_clock_breakdown:  # only ZeRO's reductions, for the "reduce" timer
-        quiet = CommsLoggerConfig(enabled=True, prof_all=False, prof_ops=list(REDUCE_LOG_NAMES))
-        return CommsLogger(quiet, rank=rank)
+    if _timed(config):  # a logger nobody prints: the timers read the step's reductions from it
+        return CommsLogger(CommsLoggerConfig(enabled=True), rank=rank)
     return None
 
 
@@ -122,10 +123,8 @@ def _reporter(
     comms_logger: CommsLogger | None,
     memory: Callable[[], TensorBytes],
 ) -> ProgressReporter:
-    timers = PhaseTimers(
-        enabled=config.wall_clock_breakdown,
-        synchronize=_synchronizer(device),
-        comms_logger=comms_logger,
+    timers = WallClockTimers(
+        enabled=_timed(config), synchronize=_synchronizer(device), comms=comms_logger
     )
     return ProgressReporter(
         steps_per_print=config.steps_per_print,
@@ -263,6 +262,14 @@ def initialize(
         ),
         comms_logger=comms,
         world=world,
+        profiling=StepProfiling(
+            parsed.flops_profiler,
+            module=model,
+            rank=ranks.global_rank,
+            world_size=mesh.size(),
+            dp_size=ranks.batch_world_size,
+            batch=batch,
+        ),
     )
     loader = _loader(training_data, collate_fn, parsed, batch, ranks)
     return InitializeResult(DeepShardEngine(model, parts), zero, loader, schedule)

@@ -6,41 +6,34 @@ see ``_logging``): the step, the mean loss of that step's micro-batches on that 
 rates, the global gradient norm, the loss scale and the samples per second since the previous
 line. With ``wall_clock_breakdown`` a second line gives the mean time per step of each phase:
 forward, backward (which includes the reductions ZeRO overlaps with it), reduce (the time the
-gradient collectives themselves took, as the comms logger measured them) and step (norm,
-update, parameter gather). With ``memory_breakdown`` a line gives this rank's tensor bytes, and
-with ``comms_logger.enabled`` the logger's summary table follows.
+reduction collectives of each step took, from the comms logger's records of that step) and step
+(norm, update, parameter gather); the timers are a `deepshard.profiler.WallClockTimers`. With
+``memory_breakdown`` a line gives this rank's tensor bytes, and with ``comms_logger.enabled``
+the logger's summary table follows.
 
 Nothing is synchronised or read back from the device except when a line is printed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from deepshard.comm import CommsLogger
+from deepshard.profiler import WallClockTimers
 from deepshard.zero import ZeroOptimizer
 
 __all__ = [
-    "REDUCE_LOG_NAMES",
-    "PhaseTimers",
     "ProgressReporter",
     "TensorBytes",
     "tensor_bytes",
 ]
 
 _log = logging.getLogger("deepshard.engine")
-
-PHASES = ("forward", "backward", "reduce", "step")
-"""The phases of the wall-clock breakdown, in print order."""
-
-REDUCE_LOG_NAMES = ("zero_all_reduce_grads", "zero_reduce_scatter_grads")
-"""The comms-logger names of ZeRO's gradient reductions (the "reduce" phase)."""
 
 
 def _format_bytes(count: int) -> str:
@@ -103,67 +96,6 @@ def tensor_bytes(module: torch.nn.Module, zero: ZeroOptimizer | None) -> TensorB
     )
 
 
-class PhaseTimers:
-    """Wall-clock seconds per phase, summed between two progress lines.
-
-    Args:
-        enabled: ``wall_clock_breakdown``; when false, timing does nothing.
-        synchronize: Waits for queued device work (called at both ends of a timed phase).
-        comms_logger: Where the "reduce" phase is read from (ZeRO's reductions are logged).
-        clock: Monotonic seconds.
-    """
-
-    def __init__(
-        self,
-        *,
-        enabled: bool,
-        synchronize: Callable[[], None],
-        comms_logger: CommsLogger | None,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        self.enabled = enabled
-        self._synchronize = synchronize
-        self._comms = comms_logger
-        self._clock = clock
-        self._seconds = dict.fromkeys(PHASES, 0.0)
-        self._calls_seen = comms_logger.call_count if comms_logger is not None else 0
-
-    @contextlib.contextmanager
-    def time(self, phase: str) -> Iterator[None]:
-        """Add the time spent in the ``with`` block to ``phase``."""
-        if not self.enabled:
-            yield
-            return
-        self._synchronize()
-        start = self._clock()
-        try:
-            yield
-        finally:
-            self._synchronize()
-            self._seconds[phase] += self._clock() - start
-
-    def _collect_reduce(self) -> None:
-        if self._comms is None:
-            return
-        calls = self._comms.call_count
-        new, self._calls_seen = calls - self._calls_seen, calls
-        records = self._comms.records[-new:] if new > 0 else ()
-        self._seconds["reduce"] += sum(
-            r.latency_s for r in records if r.log_name.startswith(REDUCE_LOG_NAMES)
-        )
-
-    def line(self, steps: int) -> str:
-        """Mean milliseconds per optimizer step of each phase over the last ``steps``."""
-        self._collect_reduce()
-        parts = [f"{p} {1e3 * self._seconds[p] / max(steps, 1):.2f}" for p in PHASES]
-        return "time per step (ms): " + " | ".join(parts)
-
-    def reset(self) -> None:
-        """Start a new window."""
-        self._collect_reduce()
-        self._seconds = dict.fromkeys(PHASES, 0.0)
-
-
 class ProgressReporter:
     """Collects each step's loss and prints the lines every ``steps_per_print`` steps on rank 0.
 
@@ -186,7 +118,7 @@ class ProgressReporter:
         steps_per_print: int | None,
         rank: int,
         train_batch_size: int,
-        timers: PhaseTimers,
+        timers: WallClockTimers,
         comms_logger: CommsLogger | None,
         print_comms: bool,
         memory: Callable[[], TensorBytes] | None,

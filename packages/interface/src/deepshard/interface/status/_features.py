@@ -131,13 +131,6 @@ _IGNORED = (
     FeatureStatus("activation_checkpointing", "ignored", "activation checkpointing", _ENGINE),
     FeatureStatus("checkpoint", "ignored", "checkpoint options", "deepshard-checkpoint"),
     FeatureStatus(
-        "flops_profiler",
-        "ignored",
-        "the FLOPs profiler",
-        "deepshard-profiler",
-        When("true", field="enabled"),
-    ),
-    FeatureStatus(
         "timers",
         "ignored",
         "throughput timers (the progress line always has samples/s)",

@@ -81,9 +81,9 @@ PACKAGES: tuple[PackageStatus, ...] = (
     PackageStatus(
         "deepshard-profiler",
         "deepshard.profiler",
-        None,
-        "FLOPs profiler, wall-clock breakdown",
-        "planned",
+        "packages/profiler",
+        "FLOPs profiler (aten-level, per module, fwd + bwd, MFU), wall-clock breakdown",
+        "available",
     ),
     PackageStatus(
         "deepshard-inference",

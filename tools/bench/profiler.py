@@ -1,0 +1,197 @@
+"""Profiling overhead: DeepShard's FLOPs profiler vs DeepSpeed's and torch's ``FlopCounterMode``.
+
+One training step of a tiny Hugging Face Llama (forward with the loss, then backward; no
+optimizer, so only what a profiler can slow down is timed) is run plain and under each
+profiler, which stays on for the whole step:
+
+* ``deepshard``: ``FlopsProfiler(model, count_backward=True)`` (counts forward and backward);
+* ``deepshard-fwd``: the same counting the forward only (what DeepSpeed counts);
+* ``deepspeed``: ``deepspeed.profiling.flops_profiler.FlopsProfiler`` (patches
+  ``torch.nn.functional`` and tensor methods, hooks every module);
+* ``flop_counter``: ``torch.utils.flop_counter.FlopCounterMode`` (a dispatch mode, no latency).
+
+The variants run in rotation (``--rounds`` rounds of ``--steps`` timed steps after
+``--warmup``), so a slow phase of a shared machine hits all alike; the overhead of a variant is
+its median step time over the plain median. The target: DeepShard's overhead is no worse than
+DeepSpeed's. It also prints each profiler's forward FLOPs of the Llama and checks the LeNet-5
+acceptance numbers against DeepSpeed's own ``get_model_profile``.
+
+Run from the repository root (DeepSpeed comes from the ``bench`` group)::
+
+    uv run --all-packages --group bench python tools/bench/profiler.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VARIANTS = ("plain", "deepshard", "deepshard-fwd", "deepspeed", "flop_counter")
+
+
+def _llama(hidden: int, layers: int, device: torch.device) -> nn.Module:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 32, 1),
+        num_key_value_heads=max(hidden // 64, 1),
+        vocab_size=512,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device)
+
+
+@contextlib.contextmanager
+def _profiled(variant: str, model: nn.Module) -> Iterator[Callable[[], int]]:
+    """Keep ``variant``'s profiler on inside the block; yields a reader of its forward FLOPs."""
+    if variant == "plain":
+        yield lambda: 0
+    elif variant.startswith("deepshard"):
+        from deepshard.profiler import FlopsProfiler
+
+        ours = FlopsProfiler(model, count_backward=variant == "deepshard")
+        ours.start_profile()
+        try:
+            yield lambda: int(ours.get_total_flops())
+        finally:
+            ours.end_profile()
+    elif variant == "deepspeed":
+        from deepspeed.profiling.flops_profiler import FlopsProfiler as DeepSpeedProfiler
+
+        theirs = DeepSpeedProfiler(model)
+        theirs.start_profile()
+        try:
+            yield lambda: int(theirs.get_total_flops())
+        finally:
+            theirs.end_profile()
+    else:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            yield lambda: int(counter.get_total_flops())
+
+
+def _step(model: nn.Module, ids: torch.Tensor, sync: Callable[[], None]) -> float:
+    sync()
+    start = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    sync()
+    return time.perf_counter() - start
+
+
+def _race(args: argparse.Namespace, device: torch.device) -> dict[str, list[float]]:
+    model = _llama(args.hidden, args.layers, device)
+    ids = torch.randint(0, 512, (args.batch, args.seq), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {v: [] for v in args.variants}
+    for round_index in range(args.rounds):
+        order = args.variants[round_index % len(args.variants) :]
+        order += args.variants[: round_index % len(args.variants)]
+        for variant in order:
+            for _ in range(args.warmup):
+                _step(model, ids, sync)
+            with _profiled(variant, model):
+                times[variant] += [_step(model, ids, sync) for _ in range(args.steps)]
+            model.zero_grad(set_to_none=True)
+    return times
+
+
+def _forward_flops(args: argparse.Namespace, device: torch.device) -> dict[str, int]:
+    model = _llama(args.hidden, args.layers, device)
+    ids = torch.randint(0, 512, (args.batch, args.seq), device=device)
+    counts = {}
+    for variant in args.variants:
+        if variant == "plain":
+            continue
+        with torch.no_grad(), _profiled(variant, model) as read:
+            model(input_ids=ids, labels=ids)
+            counts[variant] = read()
+    return counts
+
+
+class _LeNet5(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.feature_extractor = nn.Sequential(
+            nn.Conv2d(1, 6, 5), nn.Tanh(), nn.AvgPool2d(2),
+            nn.Conv2d(6, 16, 5), nn.Tanh(), nn.AvgPool2d(2),
+            nn.Conv2d(16, 120, 5), nn.Tanh(),
+        )  # fmt: skip
+        self.classifier = nn.Sequential(nn.Linear(120, 84), nn.Tanh(), nn.Linear(84, 10))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.classifier(torch.flatten(self.feature_extractor(x), 1))
+        return logits, F.softmax(logits, dim=1)
+
+
+def _lenet() -> tuple[Any, Any]:
+    from deepspeed.profiling.flops_profiler import get_model_profile as deepspeed_profile
+
+    from deepshard.profiler import get_model_profile
+
+    shape = (1024, 1, 32, 32)
+    ours = get_model_profile(_LeNet5(), input_shape=shape, print_profile=False, warm_up=0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        theirs = deepspeed_profile(
+            _LeNet5(), input_shape=shape, print_profile=False, as_string=False, warm_up=0
+        )
+    return ours, theirs
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    args.variants = args.variants.split(",")
+    return args
+
+
+def main() -> int:
+    args = _parse()
+    device = torch.device(args.device)
+    print(f"tiny Llama: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
+          f"seq {args.seq}, {device}, torch {torch.__version__}")  # fmt: skip
+    times = _race(args, device)
+    plain = statistics.median(times["plain"])
+    print(f"{'variant':<16}{'median step ms':>16}{'overhead':>10}")
+    for variant, samples in times.items():
+        median = statistics.median(samples)
+        print(f"{variant:<16}{1e3 * median:>16.2f}{median / plain:>9.2f}x")
+    for variant, flops in _forward_flops(args, device).items():
+        print(f"forward FLOPs {variant:<16}{flops:>16,}")
+    ours, theirs = _lenet()
+    print(f"LeNet-5 (flops, macs, params): deepshard {ours}, deepspeed {theirs}")
+    ok = ours == theirs
+    if "deepspeed" in times:
+        ratio = statistics.median(times["deepshard"]) / statistics.median(times["deepspeed"])
+        ok = ok and ratio <= 1.0
+        print(f"target (deepshard overhead <= deepspeed's): {'met' if ratio <= 1 else 'missed'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,7 @@
 qemu-aarch64 three times: the NEON path on a Cortex-A72 model (armv8.0, so an instruction from a
 later extension would trap), and the SVE path with 128-bit and with 512-bit vectors. The driver
 runs Adam/AdamW/Lion over every dtype combination and many sizes for 10 steps and exits non-zero
-naming the first mismatch (see its header for the cases).
+naming the first mismatch (see its header for the cases: fp32, bf16 and fp16 parameters).
 
 The cross compiler (``g++-aarch64-linux-gnu``) and ``qemu-user`` are installed with apt-get when
 they are missing and the tests run as root (as in CI), once per session and under a lock so that

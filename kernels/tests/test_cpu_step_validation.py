@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import deepshard.kernels as kernels
+from deepshard.kernels import _extension
 
 N = 32
 
@@ -20,9 +21,19 @@ def _adam_kwargs(**changes: object) -> dict[str, object]:
     return kwargs
 
 
-F16, BF16, I32 = torch.float16, torch.bfloat16, torch.int32
+F16, BF16, F64, I32 = torch.float16, torch.bfloat16, torch.float64, torch.int32
+
+
+def _moments(dtype: torch.dtype) -> dict[str, object]:
+    return {"exp_avg": torch.zeros(N, dtype=dtype), "exp_avg_sq": torch.zeros(N, dtype=dtype)}
+
+
 CASES = [
-    ({"param": torch.zeros(N, dtype=F16)}, TypeError, "`param` must have dtype float32"),
+    (
+        {"param": torch.zeros(N, dtype=F64)},
+        TypeError,
+        "`param` must have dtype float32, bfloat16, float16, got float64",
+    ),
     ({"param": [0.0] * N}, TypeError, "`param` must be a torch.Tensor, got list"),
     ({"grad": torch.zeros(N, dtype=I32)}, TypeError, "`grad` must have dtype float32, bfloat16"),
     ({"exp_avg_sq": torch.zeros(N + 1)}, ValueError, "`exp_avg_sq` has 33 elements but `param`"),
@@ -30,9 +41,24 @@ CASES = [
     ({"exp_avg": torch.zeros(N, device="meta")}, ValueError, "`exp_avg` must be on the CPU"),
     ({"exp_avg": torch.zeros(N, dtype=BF16)}, TypeError, "`exp_avg` and `exp_avg_sq` must have"),
     (
-        {"exp_avg": torch.zeros(N, dtype=F16), "exp_avg_sq": torch.zeros(N, dtype=F16)},
+        _moments(F16),
         TypeError,
-        "`exp_avg` must have dtype float32, bfloat16, got float16",
+        "`exp_avg` must have dtype float32, bfloat16 for a float32 `param`, got float16",
+    ),
+    (
+        {"param": torch.zeros(N, dtype=BF16), **_moments(F16)},
+        TypeError,
+        "`exp_avg` must have dtype float32, bfloat16 for a bfloat16 `param`, got float16",
+    ),
+    (
+        {"param": torch.zeros(N, dtype=F16), **_moments(BF16)},
+        TypeError,
+        "`exp_avg` must have dtype float32, float16 for a float16 `param`, got bfloat16",
+    ),
+    (
+        {"param": torch.zeros(N, dtype=BF16), "param_out": torch.zeros(N, dtype=F16)},
+        TypeError,
+        "a bfloat16 `param` is updated in place, so pass param_out=None",
     ),
     ({"param_out": torch.zeros(N)}, TypeError, "`param_out` must have dtype bfloat16, float16"),
     ({"step": 0}, ValueError, "`step` counts from 1"),
@@ -51,6 +77,20 @@ def test_adam_refuses_bad_arguments(step_fn, changes, error, message):
     args = [kwargs.pop(name) for name in ("param", "grad", "exp_avg", "exp_avg_sq")]
     with pytest.raises(error, match=message):
         step_fn(*args, **kwargs)
+
+
+def test_the_extension_refuses_type_combinations_no_path_implements():
+    # Called directly (past the Python checks), the module must refuse rather than do nothing.
+    extension = _extension.CPU_EXTENSION.get()
+    if extension is None:
+        pytest.skip(f"the compiled extension is unavailable: {_extension.CPU_EXTENSION.failure()}")
+    p, m = torch.zeros(N, dtype=F16), torch.zeros(N, dtype=BF16)
+    with pytest.raises(ValueError, match="param float16, grad float16, state bfloat16"):
+        extension.lion_step(p.data_ptr(), 2, p.data_ptr(), 2, m.data_ptr(), 1, 0, 3, N, 1e-4,
+                            0.9, 0.99, 0.0, 1)  # fmt: skip
+    with pytest.raises(ValueError, match="unknown dtype code 7 for param"):
+        extension.lion_step(p.data_ptr(), 7, p.data_ptr(), 2, m.data_ptr(), 1, 0, 3, N, 1e-4,
+                            0.9, 0.99, 0.0, 1)  # fmt: skip
 
 
 def test_lion_refuses_bad_arguments():

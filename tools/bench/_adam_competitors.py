@@ -1,6 +1,7 @@
 """The CPU Adam implementations `adam.py` races, each behind the same small interface.
 
-Every competitor gets the same flat fp32 parameter and gradient, the same hyper-parameters
+Every competitor gets the same flat parameter and gradient (fp32, or with ``--dtype`` bf16/fp16
+updated in place with fp32 moments, as DeepSpeedCPUAdam does), the same hyper-parameters
 (AdamW, decoupled weight decay, bias correction on) and the same thread count, and is wrapped as
 a `Subject`: a zero-argument ``step`` and the parameter it updates in place. Optimizer state is
 created by the competitor itself (lazily, on the first step, for the torch and DeepSpeed
@@ -24,6 +25,9 @@ import torch
 from _adam_spec import BETAS, EPS, LR, WEIGHT_DECAY
 
 _PARITY_ELEMENTS, _PARITY_STEPS = 100_003, 3  # odd, so SIMD tails are exercised
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Relative spacing of the 16-bit dtypes (one ulp is at most this times |x|) and their smallest.
+_ULP = {torch.bfloat16: (2.0**-7, 2.0**-133), torch.float16: (2.0**-10, 2.0**-24)}
 
 
 @dataclass
@@ -37,7 +41,8 @@ class Subject:
 def _deepshard(param: torch.Tensor, grad: torch.Tensor, threads: int) -> Subject:
     from deepshard.kernels import cpu_adam_step
 
-    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    # fp32 moments whatever the parameter dtype (DeepSpeedCPUAdam's default).
+    exp_avg, exp_avg_sq = torch.zeros(param.shape), torch.zeros(param.shape)
     counter = itertools.count(1)
 
     def step() -> None:
@@ -86,20 +91,20 @@ _MAKERS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], Subject]] = {
 }
 
 
-def inputs(elements: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A parameter and a gradient of ``elements`` fp32 values, the same for every competitor."""
+def inputs(elements: int, seed: int = 0, dtype: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """A parameter and a gradient of ``elements`` values, the same for every competitor."""
     generator = torch.Generator().manual_seed(seed)
     param = torch.empty(elements).uniform_(-1.0, 1.0, generator=generator)
     grad = torch.empty(elements).uniform_(-1e-2, 1e-2, generator=generator)
-    return param, grad
+    return param.to(DTYPES[dtype]), grad.to(DTYPES[dtype])
 
 
-def make(name: str, elements: int, threads: int) -> Subject:
+def make(name: str, elements: int, threads: int, dtype: str = "fp32") -> Subject:
     """Builds competitor ``name`` over fresh inputs of ``elements`` parameters."""
-    return _MAKERS[name](*inputs(elements), threads)
+    return _MAKERS[name](*inputs(elements, dtype=dtype), threads)
 
 
-def why_unavailable(name: str, threads: int) -> str | None:
+def why_unavailable(name: str, threads: int, dtype: str = "fp32") -> str | None:
     """Why ``name`` cannot run here (import or build failure), or None when it can.
 
     Builds the competitor on a tiny tensor and steps it once, so DeepSpeed's one-time JIT build
@@ -107,8 +112,10 @@ def why_unavailable(name: str, threads: int) -> str | None:
     pure-torch twin when its extension cannot load; racing that would say nothing about the
     kernel, so it counts as unavailable.
     """
+    if dtype != "fp32" and name.startswith("torch"):
+        return f"torch.optim.AdamW keeps {dtype} moments for {dtype} parameters: other work"
     try:
-        make(name, 64, threads).step()
+        make(name, 64, threads, dtype).step()
         if name == "deepshard":
             from deepshard.kernels import kernel_report
 
@@ -136,13 +143,15 @@ def backend(name: str) -> str:
     return f"torch {torch.__version__}"
 
 
-def parity_error(name: str, threads: int) -> str | None:
+def parity_error(name: str, threads: int, dtype: str = "fp32") -> str | None:
     """Compares ``name`` with an fp64 ``torch.optim.AdamW`` reference after a few steps.
 
-    Returns a description of the mismatch, or None when the update agrees to fp32 accuracy:
-    a fast kernel that computes something else must not win the race.
+    Returns a description of the mismatch, or None when the update agrees to fp32 accuracy (for
+    16-bit parameters: the reference rounds its parameters to the dtype after each step, and
+    the two may differ by one ulp where they round differently): a fast kernel that computes
+    something else must not win the race.
     """
-    param, grad = inputs(_PARITY_ELEMENTS, seed=1)
+    param, grad = inputs(_PARITY_ELEMENTS, seed=1, dtype=dtype)
     reference = torch.nn.Parameter(param.double())
     reference.grad = grad.double()
     oracle = torch.optim.AdamW(
@@ -152,8 +161,13 @@ def parity_error(name: str, threads: int) -> str | None:
     for _ in range(_PARITY_STEPS):
         subject.step()
         oracle.step()
+        if param.dtype != torch.float32:
+            with torch.no_grad():  # a 16-bit parameter holds the rounded result of each step
+                reference.copy_(reference.to(param.dtype).double())
     expected = reference.detach().float()
-    worst = (subject.param - expected).abs().max().item()
-    if torch.allclose(subject.param, expected, rtol=1e-5, atol=1e-6):
+    got = subject.param.float()
+    worst = (got - expected).abs().max().item()
+    rtol, atol = _ULP.get(param.dtype, (1e-5, 1e-6))
+    if torch.allclose(got, expected, rtol=rtol, atol=atol):
         return None
     return f"after {_PARITY_STEPS} steps its parameters differ from AdamW by up to {worst:.3g}"

@@ -11,3 +11,11 @@ HYPER_PARAMETERS = f"AdamW lr={LR} betas={BETAS} eps={EPS} weight_decay={WEIGHT_
 # One fp32 step reads p, g, m, v and writes p, m, v to the lines it has just read: 7 x 4 bytes,
 # with no write-allocate traffic to add.
 BYTES_PER_PARAM = 28
+# Parameter (and gradient) dtypes `--dtype` takes; the moments stay fp32 (DeepSpeed's default).
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def bytes_per_param(dtype: str) -> int:
+    """Bytes one step moves per parameter: p and g in ``dtype``, fp32 m and v, p/m/v written."""
+    width = 4 if dtype == "fp32" else 2
+    return 3 * width + 16

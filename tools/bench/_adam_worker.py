@@ -22,6 +22,7 @@ from typing import Any
 
 import _adam_competitors as competitors
 import torch
+from _adam_spec import bytes_per_param
 from _stream_triad import (
     BYTES_PER_ELEMENT,
     WRITE_ALLOCATE_FACTOR,
@@ -44,6 +45,7 @@ class Plan:
     warmup: int
     steps: int
     rounds: int
+    dtype: str = "fp32"
 
 
 def _thread_cpu_ns() -> dict[str, int]:
@@ -86,7 +88,7 @@ def _time_steps(subject: competitors.Subject, warmup: int, steps: int) -> dict[s
 
 def _run_one(plan: Plan, name: str, size: int) -> dict[str, Any]:
     """One competitor, one size, one round: fresh state, timed, then freed."""
-    subject = competitors.make(name, size, plan.threads)
+    subject = competitors.make(name, size, plan.threads, plan.dtype)
     try:
         return _time_steps(subject, plan.warmup, plan.steps)
     finally:
@@ -122,6 +124,7 @@ def _row(
         "triad": triad,
         "cpu_per_wall": statistics.mean(run["cpu_per_wall"] for run in runs),
         "busy_threads": statistics.median_low(busy) if busy else None,
+        "bytes_per_param": bytes_per_param(plan.dtype),
     }
 
 
@@ -129,11 +132,11 @@ def _triage(plan: Plan, result: dict[str, Any]) -> list[str]:
     """Probes and parity-checks every competitor; returns the names fit to race."""
     ready = []
     for name in plan.names:
-        reason = competitors.why_unavailable(name, plan.threads)
+        reason = competitors.why_unavailable(name, plan.threads, plan.dtype)
         if reason is not None:
             result["missing"][name] = reason
             continue
-        mismatch = competitors.parity_error(name, plan.threads)
+        mismatch = competitors.parity_error(name, plan.threads, plan.dtype)
         if mismatch is not None:
             result["wrong"][name] = mismatch
             continue

@@ -2,6 +2,7 @@
 
     uv run --all-packages --group bench python tools/bench/adam.py [--quick] [--sizes 10M,100M]
         [--threads 1,2] [--steps 10] [--rounds 3] [--competitors deepshard,deepspeed]
+        [--dtype fp32|bf16|fp16]
 
 One fp32 AdamW step over a flat tensor moves 28 bytes per parameter: it reads p, g, m and v and
 writes p, m and v back to the lines it has just read (so no write-allocate traffic). Effective
@@ -32,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _adam_spec import BYTES_PER_PARAM, HYPER_PARAMETERS, NAMES
+from _adam_spec import DTYPES, HYPER_PARAMETERS, NAMES, bytes_per_param
 
 BANDWIDTH_TARGET = 0.80  # of STREAM triad, at sizes of at least _BANDWIDTH_TARGET_SIZE
 _BANDWIDTH_TARGET_SIZE = 100_000_000
@@ -77,7 +78,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=parse_count, help="timed steps per round (default 10)")
     parser.add_argument("--warmup", type=_non_negative, help="untimed steps (default 3)")
     parser.add_argument("--rounds", type=parse_count, help="line-up repetitions (default 3)")
-    parser.add_argument("--competitors", type=_name_list, default=list(NAMES))
+    parser.add_argument("--competitors", type=_name_list)
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="fp32",
+        help="parameter and gradient dtype, updated in place with fp32 moments (default fp32); "
+        "16-bit races only deepshard and deepspeed unless --competitors says otherwise",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="1M params, 1 round: a smoke run")
     parser.add_argument(
         "--skip-missing", action="store_true", help="exit 0 when a competitor cannot run here"
@@ -90,6 +96,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.steps = args.steps or (3 if quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
     args.rounds = args.rounds or (1 if quick else 3)
+    # torch.optim keeps 16-bit moments for 16-bit parameters: other work, so not raced there.
+    args.competitors = args.competitors or (
+        list(NAMES) if args.dtype == "fp32" else ["deepshard", "deepspeed"]
+    )
     return args
 
 
@@ -119,7 +129,7 @@ def _fmt_count(count: int) -> str:
 
 
 def _gbps(row: dict[str, Any]) -> float:
-    return float(BYTES_PER_PARAM * row["params"] / row["seconds"] / 1e9)
+    return float(row["bytes_per_param"] * row["params"] / row["seconds"] / 1e9)
 
 
 def _print_bandwidth(results: list[dict[str, Any]]) -> None:
@@ -148,7 +158,7 @@ def _print_table(rows: list[dict[str, Any]], cache_bytes: int) -> None:
     for row in rows:
         busy = row["busy_threads"]
         flag = " !" if busy is not None and busy < row["threads"] else ""
-        cached = " ~" if BYTES_PER_PARAM * row["params"] < 4 * cache_bytes else ""
+        cached = " ~" if row["bytes_per_param"] * row["params"] < 4 * cache_bytes else ""
         print(
             f"| {row['name']} | {_fmt_count(row['params'])}{cached} | {row['threads']} "
             f"| {row['seconds']:.4g} | {_gbps(row):.1f} | {_gbps(row) / row['triad']:.0%} "
@@ -192,11 +202,13 @@ def _bandwidth_verdict(ours: dict[str, Any] | None, where: str) -> str:
 
 def _report(args: argparse.Namespace, results: list[dict[str, Any]], load: float) -> int:
     """Prints bandwidth, table, verdicts and problems; returns the exit status."""
-    print(f"CPU Adam step, fp32, {HYPER_PARAMETERS}, bias correction on")
+    print(f"CPU Adam step, {args.dtype} parameters and gradients, fp32 moments, "
+          f"{HYPER_PARAMETERS}, bias correction on")  # fmt: skip
     torch_version = next((result["torch"] for result in results if "torch" in result), "?")
     print(f"host: {os.cpu_count()} CPUs, torch {torch_version}, load average {load:.2f} at start")
     print(
-        f"GB/s = {BYTES_PER_PARAM} B/param (read p, g, m, v; write p, m, v) / median s/step. "
+        f"GB/s = {bytes_per_param(args.dtype)} B/param (read p, g, m, v; write p, m, v) / "
+        "median s/step. "
         "'of triad' divides by the best triad burst next to the row; triad counts 24 B/elem and "
         "no write-allocate, Adam has none to count, so it can pass 100%. "
         "'busy' = threads that were on a CPU for at least a quarter of the timed steps; '!' marks "
@@ -250,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         import _adam_worker  # torch and the competitors load in the worker only
 
         plan = _adam_worker.Plan(
-            args.worker, args.competitors, args.sizes, args.warmup, args.steps, args.rounds
-        )
+            args.worker, args.competitors, args.sizes, args.warmup, args.steps, args.rounds,
+            args.dtype,
+        )  # fmt: skip
         _adam_worker.run(plan, args.worker_out)
         return 0
     load = os.getloadavg()[0]

@@ -35,19 +35,46 @@ struct LionArgs {
     float weight_decay;  // decoupled, like AdamW
 };
 
-// The flat buffers of one step. `param` is fp32 and updated in place; `grad` is f32/bf16/f16;
-// the moments are both f32 or both bf16 (`state` says which) and are updated in place;
-// `param_out`, when `out` is not none, receives the updated parameters as bf16/f16.
+// The flat buffers of one step. Every path computes in fp32: it widens what it loads, updates,
+// and rounds what it stores back to the buffer's type (nearest even). `param`, `exp_avg` and
+// `exp_avg_sq` (unused by Lion) are updated in place; `grad` is f32, bf16 or f16 whatever the
+// parameter's type; `param_out`, when `out` is not none, receives the updated parameters as
+// bf16/f16 (a low-precision copy of an fp32 master). `step_types_supported` says which
+// (param, state, out) combinations exist.
 struct StepBuffers {
-    float* param;
+    void* param;
+    DType param_type;
     const void* grad;
     DType grad_type;
     void* exp_avg;
-    void* exp_avg_sq;  // unused by Lion
+    void* exp_avg_sq;
     DType state;
     void* param_out;
     DType out;
 };
+
+// The buffer types a step runs with (callers refuse the rest before a path runs):
+//   param f32  : state f32 or bf16, out none/bf16/f16 (ZeRO offload's fp32 master copy);
+//   param bf16 : state f32 or bf16, out none (DeepSpeedCPUAdam's 16-bit parameters);
+//   param f16  : state f32 or f16,  out none;
+// and for each, a grad of f32, bf16 or f16. A 16-bit parameter is its own low-precision copy,
+// so it takes no `param_out`.
+constexpr bool step_types_supported(DType param, DType grad, DType state, DType out) {
+    if (grad == DType::none || state == DType::none || out == DType::f32) {
+        return false;
+    }
+    switch (param) {
+        case DType::f32:
+            return state != DType::f16;
+        case DType::bf16:
+            return state != DType::f16 && out == DType::none;
+        case DType::f16:
+            return state != DType::bf16 && out == DType::none;
+        case DType::none:
+            return false;
+    }
+    return false;
+}
 
 // One function per SIMD path; each processes elements [begin, end).
 void adam_scalar(const AdamArgs& args, const StepBuffers& buf, int64_t begin, int64_t end);

@@ -70,9 +70,9 @@ struct AdamVec {
           step_size(_mm256_set1_ps(c.step_size)) {}
 };
 
-template <bool AdamW, DType G, DType S, DType O>
+template <bool AdamW, DType P, DType G, DType S, DType O>
 inline void adam8(const AdamVec& k, const StepBuffers& b, int64_t i) {
-    __m256 p = _mm256_loadu_ps(b.param + i);
+    __m256 p = load8<P>(b.param, i);
     __m256 g = load8<G>(b.grad, i);
     __m256 m = load8<S>(b.exp_avg, i);
     __m256 v = load8<S>(b.exp_avg_sq, i);
@@ -86,27 +86,27 @@ inline void adam8(const AdamVec& k, const StepBuffers& b, int64_t i) {
                       _mm256_mul_ps(_mm256_mul_ps(k.one_minus_beta2, g), g));
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), k.bias_correction2_sqrt), k.eps);
     p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(k.step_size, m), denom));
-    _mm256_storeu_ps(b.param + i, p);
+    store8<P>(b.param, i, p);
     store8<S>(b.exp_avg, i, m);
     store8<S>(b.exp_avg_sq, i, v);
     store8<O>(b.param_out, i, p);
 }
 
-template <bool AdamW, DType G, DType S, DType O>
+template <bool AdamW, DType P, DType G, DType S, DType O>
 void adam_loop(const AdamConsts& c, const StepBuffers& b, int64_t begin, int64_t end) {
     const AdamVec k(c);
     int64_t i = begin;
     for (; i + kBlock <= end; i += kBlock) {
-        adam8<AdamW, G, S, O>(k, b, i);
-        adam8<AdamW, G, S, O>(k, b, i + 8);
+        adam8<AdamW, P, G, S, O>(k, b, i);
+        adam8<AdamW, P, G, S, O>(k, b, i + 8);
     }
-    adam_scalar_loop<G, S, O>(c, b, i, end);
+    adam_scalar_loop<P, G, S, O>(c, b, i, end);
 }
 
-template <DType G, DType S, DType O>
+template <DType P, DType G, DType S, DType O>
 inline void lion8(const LionConsts& c, const StepBuffers& b, int64_t i) {
     const __m256 zero = _mm256_setzero_ps();
-    __m256 p = _mm256_loadu_ps(b.param + i);
+    __m256 p = load8<P>(b.param, i);
     __m256 g = load8<G>(b.grad, i);
     __m256 m = load8<S>(b.exp_avg, i);
     __m256 u = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(c.beta1), m),
@@ -117,39 +117,41 @@ inline void lion8(const LionConsts& c, const StepBuffers& b, int64_t i) {
                       _mm256_mul_ps(_mm256_set1_ps(c.lr), sign));
     m = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(c.beta2), m),
                       _mm256_mul_ps(_mm256_set1_ps(c.one_minus_beta2), g));
-    _mm256_storeu_ps(b.param + i, p);
+    store8<P>(b.param, i, p);
     store8<S>(b.exp_avg, i, m);
     store8<O>(b.param_out, i, p);
 }
 
-template <DType G, DType S, DType O>
+template <DType P, DType G, DType S, DType O>
 void lion_loop(const LionConsts& c, const StepBuffers& b, int64_t begin, int64_t end) {
     int64_t i = begin;
     for (; i + kBlock <= end; i += kBlock) {
-        lion8<G, S, O>(c, b, i);
-        lion8<G, S, O>(c, b, i + 8);
+        lion8<P, G, S, O>(c, b, i);
+        lion8<P, G, S, O>(c, b, i + 8);
     }
-    lion_scalar_loop<G, S, O>(c, b, i, end);
+    lion_scalar_loop<P, G, S, O>(c, b, i, end);
 }
 
 }  // namespace
 
 void adam_avx2(const AdamArgs& args, const StepBuffers& buf, int64_t begin, int64_t end) {
     const AdamConsts c = adam_consts(args);
-    visit_step_types(buf, [&](auto g, auto s, auto o) {
-        constexpr DType G = decltype(g)::value, S = decltype(s)::value, O = decltype(o)::value;
+    visit_step_types(buf, [&](auto p, auto g, auto s, auto o) {
+        constexpr DType P = decltype(p)::value, G = decltype(g)::value;
+        constexpr DType S = decltype(s)::value, O = decltype(o)::value;
         if (c.adamw_mode) {
-            adam_loop<true, G, S, O>(c, buf, begin, end);
+            adam_loop<true, P, G, S, O>(c, buf, begin, end);
         } else {
-            adam_loop<false, G, S, O>(c, buf, begin, end);
+            adam_loop<false, P, G, S, O>(c, buf, begin, end);
         }
     });
 }
 
 void lion_avx2(const LionArgs& args, const StepBuffers& buf, int64_t begin, int64_t end) {
     const LionConsts c = lion_consts(args);
-    visit_step_types(buf, [&](auto g, auto s, auto o) {
-        lion_loop<decltype(g)::value, decltype(s)::value, decltype(o)::value>(c, buf, begin, end);
+    visit_step_types(buf, [&](auto p, auto g, auto s, auto o) {
+        lion_loop<decltype(p)::value, decltype(g)::value, decltype(s)::value, decltype(o)::value>(
+            c, buf, begin, end);
     });
 }
 

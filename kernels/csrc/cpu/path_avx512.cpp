@@ -69,9 +69,9 @@ struct AdamVec {
           step_size(_mm512_set1_ps(c.step_size)) {}
 };
 
-template <bool AdamW, DType G, DType S, DType O>
+template <bool AdamW, DType P, DType G, DType S, DType O>
 inline void adam16(const AdamVec& k, const StepBuffers& b, int64_t i) {
-    __m512 p = _mm512_loadu_ps(b.param + i);
+    __m512 p = load16<P>(b.param, i);
     __m512 g = load16<G>(b.grad, i);
     __m512 m = load16<S>(b.exp_avg, i);
     __m512 v = load16<S>(b.exp_avg_sq, i);
@@ -84,28 +84,28 @@ inline void adam16(const AdamVec& k, const StepBuffers& b, int64_t i) {
     v = _mm512_add_ps(_mm512_mul_ps(k.beta2, v), _mm512_mul_ps(_mm512_mul_ps(k.one_minus_beta2, g), g));
     __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), k.bias_correction2_sqrt), k.eps);
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k.step_size, m), denom));
-    _mm512_storeu_ps(b.param + i, p);
+    store16<P>(b.param, i, p);
     store16<S>(b.exp_avg, i, m);
     store16<S>(b.exp_avg_sq, i, v);
     store16<O>(b.param_out, i, p);
 }
 
-template <bool AdamW, DType G, DType S, DType O>
+template <bool AdamW, DType P, DType G, DType S, DType O>
 void adam_loop(const AdamConsts& c, const StepBuffers& b, int64_t begin, int64_t end) {
     const AdamVec k(c);
     int64_t i = begin;
     for (; i + kBlock <= end; i += kBlock) {
-        adam16<AdamW, G, S, O>(k, b, i);
-        adam16<AdamW, G, S, O>(k, b, i + 16);
+        adam16<AdamW, P, G, S, O>(k, b, i);
+        adam16<AdamW, P, G, S, O>(k, b, i + 16);
     }
-    adam_scalar_loop<G, S, O>(c, b, i, end);
+    adam_scalar_loop<P, G, S, O>(c, b, i, end);
 }
 
-template <DType G, DType S, DType O>
+template <DType P, DType G, DType S, DType O>
 inline void lion16(const LionConsts& c, const StepBuffers& b, int64_t i) {
     const __m512 one = _mm512_set1_ps(1.0f);
     const __m512 minus_one = _mm512_set1_ps(-1.0f);
-    __m512 p = _mm512_loadu_ps(b.param + i);
+    __m512 p = load16<P>(b.param, i);
     __m512 g = load16<G>(b.grad, i);
     __m512 m = load16<S>(b.exp_avg, i);
     __m512 u = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(c.beta1), m),
@@ -118,39 +118,41 @@ inline void lion16(const LionConsts& c, const StepBuffers& b, int64_t i) {
                       _mm512_mul_ps(_mm512_set1_ps(c.lr), sign));
     m = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(c.beta2), m),
                       _mm512_mul_ps(_mm512_set1_ps(c.one_minus_beta2), g));
-    _mm512_storeu_ps(b.param + i, p);
+    store16<P>(b.param, i, p);
     store16<S>(b.exp_avg, i, m);
     store16<O>(b.param_out, i, p);
 }
 
-template <DType G, DType S, DType O>
+template <DType P, DType G, DType S, DType O>
 void lion_loop(const LionConsts& c, const StepBuffers& b, int64_t begin, int64_t end) {
     int64_t i = begin;
     for (; i + kBlock <= end; i += kBlock) {
-        lion16<G, S, O>(c, b, i);
-        lion16<G, S, O>(c, b, i + 16);
+        lion16<P, G, S, O>(c, b, i);
+        lion16<P, G, S, O>(c, b, i + 16);
     }
-    lion_scalar_loop<G, S, O>(c, b, i, end);
+    lion_scalar_loop<P, G, S, O>(c, b, i, end);
 }
 
 }  // namespace
 
 void adam_avx512(const AdamArgs& args, const StepBuffers& buf, int64_t begin, int64_t end) {
     const AdamConsts c = adam_consts(args);
-    visit_step_types(buf, [&](auto g, auto s, auto o) {
-        constexpr DType G = decltype(g)::value, S = decltype(s)::value, O = decltype(o)::value;
+    visit_step_types(buf, [&](auto p, auto g, auto s, auto o) {
+        constexpr DType P = decltype(p)::value, G = decltype(g)::value;
+        constexpr DType S = decltype(s)::value, O = decltype(o)::value;
         if (c.adamw_mode) {
-            adam_loop<true, G, S, O>(c, buf, begin, end);
+            adam_loop<true, P, G, S, O>(c, buf, begin, end);
         } else {
-            adam_loop<false, G, S, O>(c, buf, begin, end);
+            adam_loop<false, P, G, S, O>(c, buf, begin, end);
         }
     });
 }
 
 void lion_avx512(const LionArgs& args, const StepBuffers& buf, int64_t begin, int64_t end) {
     const LionConsts c = lion_consts(args);
-    visit_step_types(buf, [&](auto g, auto s, auto o) {
-        lion_loop<decltype(g)::value, decltype(s)::value, decltype(o)::value>(c, buf, begin, end);
+    visit_step_types(buf, [&](auto p, auto g, auto s, auto o) {
+        lion_loop<decltype(p)::value, decltype(g)::value, decltype(s)::value, decltype(o)::value>(
+            c, buf, begin, end);
     });
 }
 

@@ -73,9 +73,9 @@ struct AdamVec {
           step_size(vdupq_n_f32(c.step_size)) {}
 };
 
-template <bool AdamW, DType G, DType S, DType O>
+template <bool AdamW, DType P, DType G, DType S, DType O>
 inline void adam4(const AdamVec& k, const StepBuffers& b, int64_t i) {
-    float32x4_t p = vld1q_f32(b.param + i);
+    float32x4_t p = load4<P>(b.param, i);
     float32x4_t g = load4<G>(b.grad, i);
     float32x4_t m = load4<S>(b.exp_avg, i);
     float32x4_t v = load4<S>(b.exp_avg_sq, i);
@@ -88,21 +88,21 @@ inline void adam4(const AdamVec& k, const StepBuffers& b, int64_t i) {
     v = vaddq_f32(vmulq_f32(k.beta2, v), vmulq_f32(vmulq_f32(k.one_minus_beta2, g), g));
     const float32x4_t denom = vaddq_f32(vdivq_f32(vsqrtq_f32(v), k.bias_correction2_sqrt), k.eps);
     p = vsubq_f32(p, vdivq_f32(vmulq_f32(k.step_size, m), denom));
-    vst1q_f32(b.param + i, p);
+    store4<P>(b.param, i, p);
     store4<S>(b.exp_avg, i, m);
     store4<S>(b.exp_avg_sq, i, v);
     store4<O>(b.param_out, i, p);
 }
 
-template <bool AdamW, DType G, DType S, DType O>
+template <bool AdamW, DType P, DType G, DType S, DType O>
 void adam_loop(const AdamConsts& c, const StepBuffers& b, int64_t begin, int64_t end) {
     const AdamVec k(c);
     int64_t i = begin;
     for (; i + kBlock <= end; i += kBlock) {
-        adam4<AdamW, G, S, O>(k, b, i);
-        adam4<AdamW, G, S, O>(k, b, i + 4);
+        adam4<AdamW, P, G, S, O>(k, b, i);
+        adam4<AdamW, P, G, S, O>(k, b, i + 4);
     }
-    adam_scalar_loop<G, S, O>(c, b, i, end);
+    adam_scalar_loop<P, G, S, O>(c, b, i, end);
 }
 
 struct LionVec {
@@ -123,48 +123,50 @@ inline float32x4_t sign4(float32x4_t x) {
     return vbslq_f32(vcgtq_f32(x, zero), vdupq_n_f32(1.0f), negative);
 }
 
-template <DType G, DType S, DType O>
+template <DType P, DType G, DType S, DType O>
 inline void lion4(const LionVec& k, const StepBuffers& b, int64_t i) {
-    float32x4_t p = vld1q_f32(b.param + i);
+    float32x4_t p = load4<P>(b.param, i);
     const float32x4_t g = load4<G>(b.grad, i);
     float32x4_t m = load4<S>(b.exp_avg, i);
     const float32x4_t update = vaddq_f32(vmulq_f32(k.beta1, m), vmulq_f32(k.one_minus_beta1, g));
     p = vsubq_f32(vmulq_f32(p, k.decay), vmulq_f32(k.lr, sign4(update)));
     m = vaddq_f32(vmulq_f32(k.beta2, m), vmulq_f32(k.one_minus_beta2, g));
-    vst1q_f32(b.param + i, p);
+    store4<P>(b.param, i, p);
     store4<S>(b.exp_avg, i, m);
     store4<O>(b.param_out, i, p);
 }
 
-template <DType G, DType S, DType O>
+template <DType P, DType G, DType S, DType O>
 void lion_loop(const LionConsts& c, const StepBuffers& b, int64_t begin, int64_t end) {
     const LionVec k(c);
     int64_t i = begin;
     for (; i + kBlock <= end; i += kBlock) {
-        lion4<G, S, O>(k, b, i);
-        lion4<G, S, O>(k, b, i + 4);
+        lion4<P, G, S, O>(k, b, i);
+        lion4<P, G, S, O>(k, b, i + 4);
     }
-    lion_scalar_loop<G, S, O>(c, b, i, end);
+    lion_scalar_loop<P, G, S, O>(c, b, i, end);
 }
 
 }  // namespace
 
 void adam_neon(const AdamArgs& args, const StepBuffers& buf, int64_t begin, int64_t end) {
     const AdamConsts c = adam_consts(args);
-    visit_step_types(buf, [&](auto g, auto s, auto o) {
-        constexpr DType G = decltype(g)::value, S = decltype(s)::value, O = decltype(o)::value;
+    visit_step_types(buf, [&](auto p, auto g, auto s, auto o) {
+        constexpr DType P = decltype(p)::value, G = decltype(g)::value;
+        constexpr DType S = decltype(s)::value, O = decltype(o)::value;
         if (c.adamw_mode) {
-            adam_loop<true, G, S, O>(c, buf, begin, end);
+            adam_loop<true, P, G, S, O>(c, buf, begin, end);
         } else {
-            adam_loop<false, G, S, O>(c, buf, begin, end);
+            adam_loop<false, P, G, S, O>(c, buf, begin, end);
         }
     });
 }
 
 void lion_neon(const LionArgs& args, const StepBuffers& buf, int64_t begin, int64_t end) {
     const LionConsts c = lion_consts(args);
-    visit_step_types(buf, [&](auto g, auto s, auto o) {
-        lion_loop<decltype(g)::value, decltype(s)::value, decltype(o)::value>(c, buf, begin, end);
+    visit_step_types(buf, [&](auto p, auto g, auto s, auto o) {
+        lion_loop<decltype(p)::value, decltype(g)::value, decltype(s)::value, decltype(o)::value>(
+            c, buf, begin, end);
     });
 }
 

@@ -58,12 +58,12 @@ inline void store(svbool_t pg, void* base, int64_t i, svfloat32_t x) {
     }
 }
 
-template <bool AdamW, DType G, DType S, DType O>
+template <bool AdamW, DType P, DType G, DType S, DType O>
 void adam_loop(const AdamConsts& c, const StepBuffers& b, int64_t begin, int64_t end) {
     const int64_t lanes = static_cast<int64_t>(svcntw());
     for (int64_t i = begin; i < end; i += lanes) {
         const svbool_t pg = svwhilelt_b32_s64(i, end);
-        svfloat32_t p = svld1_f32(pg, b.param + i);
+        svfloat32_t p = load<P>(pg, b.param, i);
         svfloat32_t g = load<G>(pg, b.grad, i);
         svfloat32_t m = load<S>(pg, b.exp_avg, i);
         svfloat32_t v = load<S>(pg, b.exp_avg_sq, i);
@@ -78,7 +78,7 @@ void adam_loop(const AdamConsts& c, const StepBuffers& b, int64_t begin, int64_t
         const svfloat32_t denom = svadd_n_f32_x(
             pg, svdiv_n_f32_x(pg, svsqrt_f32_x(pg, v), c.bias_correction2_sqrt), c.eps);
         p = svsub_f32_x(pg, p, svdiv_f32_x(pg, svmul_n_f32_x(pg, m, c.step_size), denom));
-        svst1_f32(pg, b.param + i, p);
+        store<P>(pg, b.param, i, p);
         store<S>(pg, b.exp_avg, i, m);
         store<S>(pg, b.exp_avg_sq, i, v);
         store<O>(pg, b.param_out, i, p);
@@ -92,12 +92,12 @@ inline svfloat32_t sign_lanes(svbool_t pg, svfloat32_t x) {
     return svsel_f32(svcmpgt_n_f32(pg, x, 0.0f), svdup_n_f32(1.0f), negative);
 }
 
-template <DType G, DType S, DType O>
+template <DType P, DType G, DType S, DType O>
 void lion_loop(const LionConsts& c, const StepBuffers& b, int64_t begin, int64_t end) {
     const int64_t lanes = static_cast<int64_t>(svcntw());
     for (int64_t i = begin; i < end; i += lanes) {
         const svbool_t pg = svwhilelt_b32_s64(i, end);
-        svfloat32_t p = svld1_f32(pg, b.param + i);
+        svfloat32_t p = load<P>(pg, b.param, i);
         const svfloat32_t g = load<G>(pg, b.grad, i);
         svfloat32_t m = load<S>(pg, b.exp_avg, i);
         const svfloat32_t update =
@@ -105,7 +105,7 @@ void lion_loop(const LionConsts& c, const StepBuffers& b, int64_t begin, int64_t
         p = svsub_f32_x(pg, svmul_n_f32_x(pg, p, c.decay),
                         svmul_n_f32_x(pg, sign_lanes(pg, update), c.lr));
         m = svadd_f32_x(pg, svmul_n_f32_x(pg, m, c.beta2), svmul_n_f32_x(pg, g, c.one_minus_beta2));
-        svst1_f32(pg, b.param + i, p);
+        store<P>(pg, b.param, i, p);
         store<S>(pg, b.exp_avg, i, m);
         store<O>(pg, b.param_out, i, p);
     }
@@ -115,20 +115,22 @@ void lion_loop(const LionConsts& c, const StepBuffers& b, int64_t begin, int64_t
 
 void adam_sve(const AdamArgs& args, const StepBuffers& buf, int64_t begin, int64_t end) {
     const AdamConsts c = adam_consts(args);
-    visit_step_types(buf, [&](auto g, auto s, auto o) {
-        constexpr DType G = decltype(g)::value, S = decltype(s)::value, O = decltype(o)::value;
+    visit_step_types(buf, [&](auto p, auto g, auto s, auto o) {
+        constexpr DType P = decltype(p)::value, G = decltype(g)::value;
+        constexpr DType S = decltype(s)::value, O = decltype(o)::value;
         if (c.adamw_mode) {
-            adam_loop<true, G, S, O>(c, buf, begin, end);
+            adam_loop<true, P, G, S, O>(c, buf, begin, end);
         } else {
-            adam_loop<false, G, S, O>(c, buf, begin, end);
+            adam_loop<false, P, G, S, O>(c, buf, begin, end);
         }
     });
 }
 
 void lion_sve(const LionArgs& args, const StepBuffers& buf, int64_t begin, int64_t end) {
     const LionConsts c = lion_consts(args);
-    visit_step_types(buf, [&](auto g, auto s, auto o) {
-        lion_loop<decltype(g)::value, decltype(s)::value, decltype(o)::value>(c, buf, begin, end);
+    visit_step_types(buf, [&](auto p, auto g, auto s, auto o) {
+        lion_loop<decltype(p)::value, decltype(g)::value, decltype(s)::value, decltype(o)::value>(
+            c, buf, begin, end);
     });
 }
 

@@ -1,6 +1,8 @@
 // Scalar building blocks shared by every SIMD path: dtype conversions, the per-element Adam and
-// Lion updates, and a dtype visitor that turns the runtime (grad, state, out) types into template
-// arguments.
+// Lion updates, and a dtype visitor that turns the runtime (param, grad, state, out) types into
+// template arguments. Every element is widened to float on load, updated in float and rounded to
+// its buffer's type on store, so a bf16/f16 parameter or moment sees fp32 math with one rounding
+// per step, as DeepSpeedCPUAdam does.
 //
 // Every path computes exactly what these functions compute, operation for operation, so all paths
 // give bit-identical results (the parity tests check that). Two rules follow:
@@ -216,48 +218,51 @@ inline void visit_dtype(DType t, F&& f) {
     }
 }
 
-// Calls f(grad, state, out) with one DTypeConstant each for the buffer types of `buf`: the grad is
-// f32/bf16/f16, the state f32/bf16, the out f32-less (bf16/f16/none). Other combinations are
-// refused by the caller (bindings) before a path runs, so they fall through and do nothing here.
+// Calls f(param, grad, state, out) with one DTypeConstant each for the buffer types of `buf`, for
+// the combinations `step_types_supported` accepts; the callers (bindings) refuse the others
+// before a path runs, so they fall through and do nothing here.
 template <class F>
 inline void visit_step_types(const StepBuffers& buf, F&& f) {
-    visit_dtype<false>(buf.grad_type, [&](auto g) {
-        visit_dtype<false>(buf.state, [&](auto s) {
-            if constexpr (decltype(s)::value != DType::f16) {
+    visit_dtype<false>(buf.param_type, [&](auto p) {
+        constexpr DType P = decltype(p)::value;
+        visit_dtype<false>(buf.grad_type, [&](auto g) {
+            constexpr DType G = decltype(g)::value;
+            visit_dtype<false>(buf.state, [&](auto s) {
+                constexpr DType S = decltype(s)::value;
                 visit_dtype<true>(buf.out, [&](auto o) {
-                    if constexpr (decltype(o)::value != DType::f32) {
-                        f(g, s, o);
+                    if constexpr (step_types_supported(P, G, S, decltype(o)::value)) {
+                        f(p, g, s, o);
                     }
                 });
-            }
+            });
         });
     });
 }
 
 // The scalar Adam loop for fixed types: the whole scalar path, and the tail of the vector paths.
-template <DType G, DType S, DType O>
+template <DType P, DType G, DType S, DType O>
 inline void adam_scalar_loop(const AdamConsts& c, const StepBuffers& b, int64_t begin,
                              int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-        float p = b.param[i];
+        float p = load_f32<P>(b.param, i);
         float m = load_f32<S>(b.exp_avg, i);
         float v = load_f32<S>(b.exp_avg_sq, i);
         adam_scalar_element(c, p, load_f32<G>(b.grad, i), m, v);
-        b.param[i] = p;
+        store_f32<P>(b.param, i, p);
         store_f32<S>(b.exp_avg, i, m);
         store_f32<S>(b.exp_avg_sq, i, v);
         store_f32<O>(b.param_out, i, p);
     }
 }
 
-template <DType G, DType S, DType O>
+template <DType P, DType G, DType S, DType O>
 inline void lion_scalar_loop(const LionConsts& c, const StepBuffers& b, int64_t begin,
                              int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-        float p = b.param[i];
+        float p = load_f32<P>(b.param, i);
         float m = load_f32<S>(b.exp_avg, i);
         lion_scalar_element(c, p, load_f32<G>(b.grad, i), m);
-        b.param[i] = p;
+        store_f32<P>(b.param, i, p);
         store_f32<S>(b.exp_avg, i, m);
         store_f32<O>(b.param_out, i, p);
     }
@@ -267,18 +272,18 @@ inline void lion_scalar_loop(const LionConsts& c, const StepBuffers& b, int64_t 
 inline void adam_scalar_range(const AdamArgs& args, const StepBuffers& buf, int64_t begin,
                               int64_t end) {
     const AdamConsts c = adam_consts(args);
-    visit_step_types(buf, [&](auto g, auto s, auto o) {
-        adam_scalar_loop<decltype(g)::value, decltype(s)::value, decltype(o)::value>(c, buf, begin,
-                                                                                    end);
+    visit_step_types(buf, [&](auto p, auto g, auto s, auto o) {
+        adam_scalar_loop<decltype(p)::value, decltype(g)::value, decltype(s)::value,
+                         decltype(o)::value>(c, buf, begin, end);
     });
 }
 
 inline void lion_scalar_range(const LionArgs& args, const StepBuffers& buf, int64_t begin,
                               int64_t end) {
     const LionConsts c = lion_consts(args);
-    visit_step_types(buf, [&](auto g, auto s, auto o) {
-        lion_scalar_loop<decltype(g)::value, decltype(s)::value, decltype(o)::value>(c, buf, begin,
-                                                                                    end);
+    visit_step_types(buf, [&](auto p, auto g, auto s, auto o) {
+        lion_scalar_loop<decltype(p)::value, decltype(g)::value, decltype(s)::value,
+                         decltype(o)::value>(c, buf, begin, end);
     });
 }
 

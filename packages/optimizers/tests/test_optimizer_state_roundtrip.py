@@ -18,11 +18,19 @@ Factory = Callable[[list[tuple[str, torch.nn.Parameter]]], torch.optim.Optimizer
 FACTORIES: dict[str, Factory] = {
     "adamw-foreach-bf16": lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1, impl="foreach"),
     "adam-cpu": lambda ps: CPUAdam(ps, lr=1e-2, adamw_mode=False, weight_decay=0.1),
+    "cpuadam-bf16": lambda ps: CPUAdam(ps, lr=1e-2, weight_decay=0.1),
+    "cpuadam-fp16-fp16-moments": lambda ps: CPUAdam(ps, lr=1e-2, fp32_optimizer_states=False),
+    "lion-cpu-bf16": lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1, impl="cpu"),
     "adam-bf16-moments": lambda ps: Adam(ps, lr=1e-2, fp32_optimizer_states=False),
     "lion": lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1),
     "muon": lambda ps: Muon(ps, lr=0.02),
 }
-PARAM_DTYPES = {"adamw-foreach-bf16": torch.bfloat16}
+PARAM_DTYPES = {
+    "adamw-foreach-bf16": torch.bfloat16,
+    "cpuadam-bf16": torch.bfloat16,
+    "cpuadam-fp16-fp16-moments": torch.float16,
+    "lion-cpu-bf16": torch.bfloat16,
+}
 
 
 def _params(dtype: torch.dtype) -> list[tuple[str, torch.nn.Parameter]]:

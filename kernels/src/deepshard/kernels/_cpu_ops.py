@@ -69,9 +69,10 @@ def _adam_impl(
     bc1, bc2_sqrt = bias_corrections(step, beta1, beta2, bias_correction)
     out_ptr, out_code = _out_pointer(param_out)
     extension.adam_step(
-        param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(), _DTYPE_CODES[exp_avg.dtype], out_ptr, out_code, param.numel(),
-        lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, adamw_mode, _threads(num_threads),
+        param.data_ptr(), _DTYPE_CODES[param.dtype], grad.data_ptr(), _DTYPE_CODES[grad.dtype],
+        exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODES[exp_avg.dtype], out_ptr,
+        out_code, param.numel(), lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt, adamw_mode,
+        _threads(num_threads),
     )  # fmt: skip
 
 
@@ -126,9 +127,9 @@ def _lion_impl(
         return
     out_ptr, out_code = _out_pointer(param_out)
     extension.lion_step(
-        param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(),
-        _DTYPE_CODES[exp_avg.dtype], out_ptr, out_code, param.numel(), lr, beta1, beta2,
-        weight_decay, _threads(num_threads),
+        param.data_ptr(), _DTYPE_CODES[param.dtype], grad.data_ptr(), _DTYPE_CODES[grad.dtype],
+        exp_avg.data_ptr(), _DTYPE_CODES[exp_avg.dtype], out_ptr, out_code, param.numel(), lr,
+        beta1, beta2, weight_decay, _threads(num_threads),
     )  # fmt: skip
 
 
@@ -175,13 +176,15 @@ def cpu_adam_step(
     Adam adds ``weight_decay * param`` to the gradient; then
     ``m = beta1 m + (1 - beta1) g``, ``v = beta2 v + (1 - beta2) g^2`` and
     ``param -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` with ``bc_i = 1 - beta_i^step``
-    (both 1 when ``bias_correction`` is off). With bfloat16 moments the step reads them, computes
-    in float32 and stores them rounded to nearest even.
+    (both 1 when ``bias_correction`` is off). The math is float32 whatever the dtypes: 16-bit
+    parameters, gradients and moments are widened on load, and 16-bit parameters and moments are
+    stored back rounded to nearest even (as ``.to(dtype)`` rounds), once per step.
 
     Args:
-        param: float32 parameters, updated in place.
+        param: Parameters, float32, bfloat16 or float16, updated in place.
         grad: Gradient, float32, bfloat16 or float16 (read as float32).
-        exp_avg: First moment, float32 or bfloat16, updated in place.
+        exp_avg: First moment, updated in place: float32, or 16 bits -- bfloat16 for a float32
+            or bfloat16 ``param``, float16 for a float16 one.
         exp_avg_sq: Second moment, same dtype as ``exp_avg``, updated in place.
         step: Number of this step, from 1.
         lr: Learning rate.
@@ -191,8 +194,9 @@ def cpu_adam_step(
         weight_decay: Decoupled (AdamW) or L2 (Adam) coefficient.
         adamw_mode: Decoupled weight decay (AdamW) when true, L2 (Adam) when false.
         bias_correction: Divide the moments by ``1 - beta^step``.
-        param_out: Optional bfloat16/float16 tensor that receives the updated parameters
-            (rounded to nearest even), e.g. the low-precision copy sent back to the device.
+        param_out: Optional bfloat16/float16 tensor that receives the updated float32
+            parameters (rounded to nearest even), e.g. the low-precision copy sent back to the
+            device; only with a float32 ``param`` (a 16-bit one is its own copy).
         num_threads: Threads to split the step over; ``None`` means ``torch.get_num_threads()``.
             Small tensors run on the calling thread.
 
@@ -229,15 +233,18 @@ def cpu_lion_step(
     ``c = beta1 m + (1 - beta1) g``; ``param = param (1 - lr wd) - lr sign(c)``;
     ``m = beta2 m + (1 - beta2) g`` (``sign(0) = 0``, as torch.sign).
 
+    Computed in float32 like `cpu_adam_step`, with the same dtypes allowed.
+
     Args:
-        param: float32 parameters, updated in place.
+        param: Parameters, float32, bfloat16 or float16, updated in place.
         grad: Gradient, float32, bfloat16 or float16.
-        exp_avg: Momentum, float32 or bfloat16, updated in place.
+        exp_avg: Momentum, float32 or 16 bits (as `cpu_adam_step`'s moments), updated in place.
         lr: Learning rate.
         beta1: Interpolation weight of the update direction, in [0, 1).
         beta2: Momentum decay, in [0, 1).
         weight_decay: Decoupled weight decay coefficient.
-        param_out: Optional bfloat16/float16 tensor that receives the updated parameters.
+        param_out: Optional bfloat16/float16 tensor that receives the updated parameters
+            (float32 ``param`` only).
         num_threads: Threads to split the step over; ``None`` means ``torch.get_num_threads()``.
 
     Raises:

@@ -30,16 +30,16 @@ class CpuExtension(Protocol):
     def set_path(self, name: str) -> None: ...
 
     def adam_step(
-        self, param: int, grad: int, grad_type: int, exp_avg: int, exp_avg_sq: int, state: int,
-        param_out: int, out: int, numel: int, lr: float, beta1: float, beta2: float, eps: float,
-        weight_decay: float, bias_correction1: float, bias_correction2_sqrt: float,
-        adamw_mode: bool, num_threads: int,
+        self, param: int, param_type: int, grad: int, grad_type: int, exp_avg: int,
+        exp_avg_sq: int, state: int, param_out: int, out: int, numel: int, lr: float,
+        beta1: float, beta2: float, eps: float, weight_decay: float, bias_correction1: float,
+        bias_correction2_sqrt: float, adamw_mode: bool, num_threads: int,
     ) -> None: ...  # fmt: skip
 
     def lion_step(
-        self, param: int, grad: int, grad_type: int, exp_avg: int, state: int, param_out: int,
-        out: int, numel: int, lr: float, beta1: float, beta2: float, weight_decay: float,
-        num_threads: int,
+        self, param: int, param_type: int, grad: int, grad_type: int, exp_avg: int, state: int,
+        param_out: int, out: int, numel: int, lr: float, beta1: float, beta2: float,
+        weight_decay: float, num_threads: int,
     ) -> None: ...  # fmt: skip
 
 

@@ -5,6 +5,11 @@ and with the kernel's float32 constants (`_constants`), so on the same inputs it
 same bits (NaN payloads aside); the parity tests check this. They run when the compiled
 extension cannot be loaded, and on any device, just slower: temporaries instead of one pass.
 
+16-bit tensors are handled as the kernels handle them: widened to float32 (exact), updated with
+the same float32 operations, and written back with torch's rounding (``copy_`` into a bfloat16 or
+float16 tensor rounds to nearest even, as the kernels' stores do). A float32 parameter is updated
+in place by the float32 operations themselves.
+
 One detail keeps them exact: torch's float32 ``sqrt`` on CPU is not always correctly rounded
 (it may be 1 ulp off), while the kernels' is; the twins take the square root in float64 and round
 once to float32, which gives the correctly rounded float32 square root.
@@ -22,6 +27,12 @@ __all__ = ["reference_adam_step", "reference_lion_step", "run_reference_adam", "
 
 def _sqrt_f32(x: torch.Tensor) -> torch.Tensor:
     return x.double().sqrt_().float()
+
+
+def _store(param: torch.Tensor, updated: torch.Tensor) -> None:
+    """Writes the float32 result back into a 16-bit ``param`` (a float32 one already holds it)."""
+    if updated is not param:
+        param.copy_(updated)
 
 
 def reference_adam_step(
@@ -78,19 +89,21 @@ def run_reference_adam(
         step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
         bias_correction=bias_correction,
     )  # fmt: skip
+    p = param.float()  # param itself when float32, else a widened copy
     g = grad.float()
     if adamw_mode:
-        param.mul_(c.decay)
+        p.mul_(c.decay)
     else:
-        g = g + param * c.weight_decay
+        g = g + p * c.weight_decay
     m = exp_avg.float() * c.beta1 + g * c.one_minus_beta1
     v = exp_avg_sq.float() * c.beta2 + (g * c.one_minus_beta2) * g
     denom = _sqrt_f32(v) / c.bias_correction2_sqrt + c.eps
-    param.sub_((m * c.step_size) / denom)
+    p.sub_((m * c.step_size) / denom)
+    _store(param, p)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if param_out is not None:
-        param_out.copy_(param)
+        param_out.copy_(p)
 
 
 def reference_lion_step(
@@ -133,10 +146,12 @@ def run_reference_lion(
 ) -> None:
     """The Lion twin without argument checks (the caller has checked)."""
     c = lion_constants(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    p = param.float()
     g = grad.float()
     m = exp_avg.float()
     update = m * c.beta1 + g * c.one_minus_beta1
-    param.mul_(c.decay).sub_(torch.sign(update) * c.lr)
+    p.mul_(c.decay).sub_(torch.sign(update) * c.lr)
+    _store(param, p)
     exp_avg.copy_(m * c.beta2 + g * c.one_minus_beta2)
     if param_out is not None:
-        param_out.copy_(param)
+        param_out.copy_(p)

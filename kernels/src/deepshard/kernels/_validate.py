@@ -11,26 +11,55 @@ import math
 
 import torch
 
-__all__ = ["GRAD_DTYPES", "OUT_DTYPES", "STATE_DTYPES", "check_adam_args", "check_lion_args"]
+__all__ = [
+    "GRAD_DTYPES",
+    "OUT_DTYPES",
+    "PARAM_DTYPES",
+    "STATE_DTYPES",
+    "check_adam_args",
+    "check_lion_args",
+    "state_dtypes",
+]
 
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-STATE_DTYPES = (torch.float32, torch.bfloat16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def state_dtypes(param_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The moment dtypes the kernels take for a ``param_dtype`` parameter.
+
+    float32, or 16 bits: the parameter's own dtype when it is 16-bit (DeepSpeedCPUAdam's
+    ``fp32_optimizer_states=False``), bfloat16 for a float32 master copy. Mirrors
+    ``step_types_supported`` in csrc/cpu/kernels.h.
+    """
+    if param_dtype == torch.float16:
+        return (torch.float32, torch.float16)
+    return (torch.float32, torch.bfloat16)
 
 
 def _names(dtypes: tuple[torch.dtype, ...]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _check_tensor(
-    op: str, name: str, tensor: object, dtypes: tuple[torch.dtype, ...], numel: int | None
+    op: str,
+    name: str,
+    tensor: object,
+    dtypes: tuple[torch.dtype, ...],
+    numel: int | None,
+    context: str = "",
 ) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in dtypes:
         raise TypeError(
-            f"{op}: `{name}` must have dtype {_names(dtypes)}, got "
-            f"{str(tensor.dtype).removeprefix('torch.')}"
+            f"{op}: `{name}` must have dtype {_names(dtypes)}{context}, got {_name(tensor.dtype)}"
         )
     if tensor.device.type != "cpu":
         raise ValueError(f"{op}: `{name}` must be on the CPU, got device {tensor.device}")
@@ -67,17 +96,23 @@ def _check_buffers(
     moments: dict[str, object],
     param_out: object,
 ) -> None:
-    _check_tensor(op, "param", param, (torch.float32,), None)
+    _check_tensor(op, "param", param, PARAM_DTYPES, None)
     assert isinstance(param, torch.Tensor)
     numel = param.numel()
     _check_tensor(op, "grad", grad, GRAD_DTYPES, numel)
     state_dtype: torch.dtype | None = None
+    for_param = f" for a {_name(param.dtype)} `param`"
     for name, moment in moments.items():
-        _check_tensor(op, name, moment, STATE_DTYPES, numel)
+        _check_tensor(op, name, moment, state_dtypes(param.dtype), numel, for_param)
         assert isinstance(moment, torch.Tensor)
         if state_dtype is not None and moment.dtype != state_dtype:
             raise TypeError(f"{op}: `exp_avg` and `{name}` must have the same dtype")
         state_dtype = moment.dtype
+    if param_out is not None and param.dtype != torch.float32:
+        raise TypeError(
+            f"{op}: `param_out` receives a low-precision copy of a float32 `param`; a "
+            f"{_name(param.dtype)} `param` is updated in place, so pass param_out=None"
+        )
     if param_out is not None:
         _check_tensor(op, "param_out", param_out, OUT_DTYPES, numel)
 

@@ -3,13 +3,16 @@
 Each parameter is routed to one implementation:
 
 * ``"cpu"``: the SIMD kernel of ``deepshard.kernels``, one call per tensor. It takes a
-  contiguous fp32 CPU parameter, an fp32/bf16/fp16 gradient and fp32 or bf16 moments.
+  contiguous fp32, bf16 or fp16 CPU parameter (a 16-bit one is updated in place with fp32 math,
+  as DeepSpeedCPUAdam does), an fp32/bf16/fp16 gradient, and fp32 moments or 16-bit ones: the
+  parameter's own dtype, bf16 for an fp32 parameter (`CPU_KERNEL_MOMENTS`).
 * ``"fused"``: the multi-tensor kernel (CUDA), one call per device and step count; on
   other devices ``deepshard.kernels`` runs its ``torch._foreach`` twin.
 * ``"foreach"``: this package's ``torch._foreach`` update, any device and dtype.
 
 ``"auto"`` picks ``cpu`` where the kernel takes the parameter, ``fused`` for CUDA tensors and
-``foreach`` otherwise, so a model with a bf16 CPU parameter still trains with ``impl="auto"``.
+``foreach`` otherwise (fp64, non-contiguous or other devices), so every model trains with
+``impl="auto"``.
 """
 
 from __future__ import annotations
@@ -26,11 +29,24 @@ from deepshard.optimizers._checks import check_gradient
 from deepshard.optimizers._foreach import foreach_adam_step
 from deepshard.optimizers._state import moment_dtype
 
-__all__ = ["ADAM_IMPLS", "AdamSettings", "adam_step", "resolve_impl"]
+__all__ = [
+    "ADAM_IMPLS",
+    "CPU_KERNEL_MOMENTS",
+    "AdamSettings",
+    "adam_step",
+    "cpu_kernel_takes",
+    "kernel_takes",
+    "resolve_impl",
+]
 
 ADAM_IMPLS = ("auto", "cpu", "fused", "foreach")
 _KERNEL_GRADS = (torch.float32, torch.bfloat16, torch.float16)
-_CPU_KERNEL_MOMENTS = (torch.float32, torch.bfloat16)
+CPU_KERNEL_MOMENTS = {
+    torch.float32: (torch.float32, torch.bfloat16),
+    torch.bfloat16: (torch.float32, torch.bfloat16),
+    torch.float16: (torch.float32, torch.float16),
+}
+"""Parameter dtype -> the moment dtypes the CPU kernels (Adam and Lion) take with it."""
 
 
 @dataclass(frozen=True)
@@ -60,13 +76,20 @@ class AdamSettings:
         )
 
 
+def cpu_kernel_takes(param: torch.Tensor, moment: torch.Tensor) -> bool:
+    """Whether the CPU kernels can update ``param`` with moments of ``moment``'s dtype."""
+    return (
+        param.device.type == "cpu"
+        and param.is_contiguous()
+        and moment.dtype in CPU_KERNEL_MOMENTS.get(param.dtype, ())
+    )
+
+
 def kernel_takes(impl: str, param: torch.Tensor, moment: torch.Tensor) -> bool:
     """Whether the ``"cpu"`` or ``"fused"`` kernel can update ``param`` with this moment dtype."""
-    if param.dtype != torch.float32 or not param.is_contiguous():
-        return False
     if impl == "cpu":
-        return param.device.type == "cpu" and moment.dtype in _CPU_KERNEL_MOMENTS
-    return moment.dtype == torch.float32
+        return cpu_kernel_takes(param, moment)
+    return param.dtype == moment.dtype == torch.float32 and param.is_contiguous()
 
 
 def resolve_impl(impl: str, param: torch.Tensor, moment: torch.Tensor, owner: str) -> str:
@@ -81,15 +104,26 @@ def resolve_impl(impl: str, param: torch.Tensor, moment: torch.Tensor, owner: st
         if param.device.type == "cuda" and kernel_takes("fused", param, moment):
             return "fused"
         return "foreach"
-    if impl in ("cpu", "fused") and not kernel_takes(impl, param, moment):
-        where = "CPU " if impl == "cpu" else ""
+    if impl == "cpu" and not kernel_takes(impl, param, moment):
         raise ConfigError(
-            f"{owner} with impl={impl!r} updates contiguous fp32 {where}parameters with "
-            f"{'fp32 or bf16' if impl == 'cpu' else 'fp32'} moments, got a {param.dtype} "
-            f"parameter on {param.device} with {moment.dtype} moments; keep an fp32 master "
-            "copy (ZeRO optimizer offload does) or use impl='auto'"
+            f"{owner} with impl='cpu' updates contiguous fp32, bf16 or fp16 CPU parameters with "
+            "fp32 moments or 16-bit ones (the parameter's dtype; bf16 for fp32), got a "
+            f"{_described(param)} with {moment.dtype} moments; move the parameters to the "
+            "CPU (contiguous, fp32/bf16/fp16) or use impl='auto', which updates any other "
+            "tensor with foreach ops"
+        )
+    if impl == "fused" and not kernel_takes(impl, param, moment):
+        raise ConfigError(
+            f"{owner} with impl='fused' updates contiguous fp32 parameters with fp32 moments, "
+            f"got a {_described(param)} with {moment.dtype} moments; keep an fp32 master copy "
+            "(ZeRO optimizer offload does) or use impl='auto'"
         )
     return impl
+
+
+def _described(param: torch.Tensor) -> str:
+    layout = "" if param.is_contiguous() else "non-contiguous "
+    return f"{layout}{param.dtype} parameter on {param.device}"
 
 
 def _moments(

@@ -27,7 +27,7 @@ def cpu_adam_step(
     bias_correction: bool,
     num_threads: int | None,
 ) -> None:
-    """One Adam step on one contiguous fp32 CPU tensor, in place (the SIMD kernel)."""
+    """One Adam step on one contiguous fp32/bf16/fp16 CPU tensor, in place (the SIMD kernel)."""
     from deepshard.kernels import cpu_adam_step as kernel
 
     kernel(
@@ -58,7 +58,7 @@ def cpu_lion_step(
     weight_decay: float,
     num_threads: int | None,
 ) -> None:
-    """One Lion step on one contiguous fp32 CPU tensor, in place (the SIMD kernel)."""
+    """One Lion step on one contiguous fp32/bf16/fp16 CPU tensor, in place (the SIMD kernel)."""
     from deepshard.kernels import cpu_lion_step as kernel
 
     kernel(

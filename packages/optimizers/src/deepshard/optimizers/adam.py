@@ -21,7 +21,12 @@ from typing import Any
 import torch
 
 from deepshard.interface.errors import ConfigError
-from deepshard.optimizers._adam_step import ADAM_IMPLS, AdamSettings, adam_step
+from deepshard.optimizers._adam_step import (
+    ADAM_IMPLS,
+    CPU_KERNEL_MOMENTS,
+    AdamSettings,
+    adam_step,
+)
 from deepshard.optimizers._checks import check_betas, check_choice, check_hyperparameters
 from deepshard.optimizers._state import restore_saved_dtypes
 
@@ -52,8 +57,8 @@ class Adam(torch.optim.Optimizer):
         adam_w_mode: Decoupled weight decay (AdamW, the default) or L2 on the gradient (Adam).
         weight_decay: Weight decay coefficient.
         amsgrad: Must be False; AMSGrad is not implemented.
-        impl: ``"auto"`` (CPU kernel for fp32 CPU parameters, fused kernel for CUDA, foreach
-            otherwise), ``"cpu"``, ``"fused"`` or ``"foreach"``.
+        impl: ``"auto"`` (CPU kernel for contiguous fp32/bf16/fp16 CPU parameters, fused kernel
+            for fp32 CUDA ones, foreach otherwise), ``"cpu"``, ``"fused"`` or ``"foreach"``.
         fp32_optimizer_states: Keep the moments in fp32; False keeps them in 16 bits (the
             parameter's dtype when 16-bit, else bf16).
         num_threads: Threads of the CPU kernel (``None``: its default).
@@ -172,8 +177,10 @@ class AdamW(Adam):
 class CPUAdam(Adam):
     """Adam/AdamW on the CPU SIMD kernel, with DeepSpeedCPUAdam's constructor arguments.
 
-    Every parameter must be a contiguous fp32 CPU tensor (ZeRO optimizer offload keeps such a
-    master copy); its gradient may be fp32, bf16 or fp16.
+    Every parameter must be a contiguous fp32, bf16 or fp16 CPU tensor: an fp32 master copy
+    (ZeRO optimizer offload keeps one) or, as with DeepSpeedCPUAdam, 16-bit parameters updated
+    in place -- read as fp32, stepped with fp32 math and rounded to nearest even once per step.
+    The gradient may be fp32, bf16 or fp16.
 
     Args:
         model_params: Parameters, ``(name, parameter)`` pairs or param groups.
@@ -184,8 +191,13 @@ class CPUAdam(Adam):
         weight_decay: Weight decay coefficient.
         amsgrad: Must be False (DeepSpeedCPUAdam does not support it either).
         adamw_mode: Decoupled weight decay (the default) or L2 on the gradient.
-        fp32_optimizer_states: fp32 moments (the default) or bf16 moments.
+        fp32_optimizer_states: fp32 moments (the default); False keeps them in the parameter's
+            dtype when it is 16-bit (bf16 for an fp32 parameter), halving their memory.
         num_threads: Threads of the kernel (``None``: its default).
+
+    Raises:
+        ConfigError: A parameter the kernel cannot update (another device, fp64, not
+            contiguous), or a bad hyperparameter.
     """
 
     def __init__(
@@ -217,12 +229,15 @@ class CPUAdam(Adam):
         )
         refused = [
             f"{tuple(p.shape)} {p.dtype} on {p.device}"
+            + ("" if p.is_contiguous() else " (not contiguous)")
             for group in self.param_groups
             for p in group["params"]
-            if not (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous())
+            if not (p.device.type == "cpu" and p.dtype in CPU_KERNEL_MOMENTS and p.is_contiguous())
         ]
         if refused:
             raise ConfigError(
-                f"CPUAdam updates contiguous fp32 CPU parameters only, got {refused[:3]}; keep an "
-                "fp32 CPU master copy (ZeRO optimizer offload does) or use Adam(impl='auto')"
+                "CPUAdam updates contiguous fp32, bf16 or fp16 CPU parameters only, got "
+                f"{refused[:3]}; move them to the CPU (ZeRO optimizer offload keeps an fp32 CPU "
+                "master copy), cast fp64 ones to fp32, or use Adam(impl='auto'), which updates "
+                "any other tensor with foreach ops"
             )

@@ -1,4 +1,4 @@
-"""Lion (EvoLved Sign Momentum), with the CPU kernel for fp32 CPU parameters.
+"""Lion (EvoLved Sign Momentum), with the CPU kernel for fp32, bf16 and fp16 CPU parameters.
 
 With ``m`` the momentum (``exp_avg``) and ``g`` the gradient, one step is::
 
@@ -19,6 +19,7 @@ import torch
 
 from deepshard.interface.errors import ConfigError
 from deepshard.optimizers import _kernels
+from deepshard.optimizers._adam_step import cpu_kernel_takes
 from deepshard.optimizers._checks import (
     check_betas,
     check_choice,
@@ -34,15 +35,6 @@ __all__ = ["Lion"]
 LION_IMPLS = ("auto", "cpu", "foreach")
 
 
-def _cpu_kernel_takes(param: torch.Tensor, exp_avg: torch.Tensor) -> bool:
-    return (
-        param.device.type == "cpu"
-        and param.dtype == torch.float32
-        and param.is_contiguous()
-        and exp_avg.dtype in (torch.float32, torch.bfloat16)
-    )
-
-
 class Lion(torch.optim.Optimizer):
     """The Lion optimizer (DeepSpeed's FusedLion / DeepSpeedCPULion arguments).
 
@@ -52,9 +44,11 @@ class Lion(torch.optim.Optimizer):
         lr: Learning rate.
         betas: ``beta1`` (interpolation for the update direction) and ``beta2`` (momentum decay).
         weight_decay: Decoupled weight decay coefficient.
-        impl: ``"auto"`` (CPU kernel for fp32 CPU parameters, foreach otherwise), ``"cpu"`` or
-            ``"foreach"``.
-        fp32_optimizer_states: fp32 momentum (default); False keeps it in 16 bits.
+        impl: ``"auto"`` (CPU kernel for contiguous fp32/bf16/fp16 CPU parameters, foreach
+            otherwise), ``"cpu"`` or ``"foreach"``. The kernel updates 16-bit parameters in
+            place with fp32 math, rounding once per step.
+        fp32_optimizer_states: fp32 momentum (default); False keeps it in 16 bits (the
+            parameter's dtype when 16-bit, else bf16).
         num_threads: Threads of the CPU kernel (``None``: its default).
 
     Raises:
@@ -101,11 +95,14 @@ class Lion(torch.optim.Optimizer):
         return exp_avg
 
     def _use_kernel(self, param: torch.Tensor, exp_avg: torch.Tensor) -> bool:
-        takes = _cpu_kernel_takes(param, exp_avg)
+        takes = cpu_kernel_takes(param, exp_avg)
         if self.impl == "cpu" and not takes:
+            layout = "" if param.is_contiguous() else "non-contiguous "
             raise ConfigError(
-                f"Lion with impl='cpu' updates contiguous fp32 CPU parameters with fp32 or bf16 "
-                f"momentum, got a {param.dtype} parameter on {param.device}; use impl='auto'"
+                "Lion with impl='cpu' updates contiguous fp32, bf16 or fp16 CPU parameters with "
+                "fp32 momentum or 16-bit momentum (the parameter's dtype; bf16 for fp32), got a "
+                f"{layout}{param.dtype} parameter on {param.device} with {exp_avg.dtype} "
+                "momentum; move the parameters to the CPU or use impl='auto'"
             )
         return takes and self.impl != "foreach"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from importlib.metadata import version as _dist_version
 
 from deepshard.accelerators import get_accelerator
-from deepshard.comm import build_mesh, init_distributed
+from deepshard.comm import ParallelDims, build_mesh, init_distributed
 from deepshard.engine._engine import DeepShardEngine, EngineParts
 from deepshard.engine._initialize import InitializeResult, initialize
 from deepshard.engine._reporting import TensorBytes
@@ -45,6 +45,7 @@ __all__ = [
     "InitializeResult",
     "LaunchError",
     "LossScaler",
+    "ParallelDims",
     "StaticLossScaler",
     "TensorBytes",
     "Topology",

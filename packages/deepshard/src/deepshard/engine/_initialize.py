@@ -4,7 +4,7 @@
    run (`check_engine_config`).
 2. Join the world (`deepshard.comm.init_distributed`) and build the mesh from the config's
    topology, unless the caller passes a mesh.
-3. Reconcile the batch sizes for the ranks that read different samples (dp × ep).
+3. Reconcile the batch sizes for the dims that read different samples (dp × ep).
 4. Move and cast the model (`Precision`), then build the optimizer on its parameters (the
    caller's wins over the config's), wrap it with ZeRO, and build the LR schedule on the wrapper.
 5. Build the loss scaler, the counters, the reporter and, given ``training_data``, the loader.
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
 from deepshard.accelerators import get_accelerator
-from deepshard.comm import CommsLogger, build_mesh, init_distributed
+from deepshard.comm import CommsLogger, ParallelDims, init_distributed
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._checks import check_engine_config, ignored_settings
 from deepshard.engine._components import (
@@ -42,7 +42,7 @@ from deepshard.engine._reporting import (
     TensorBytes,
     tensor_bytes,
 )
-from deepshard.engine._zero_wiring import MeshRanks, wrap_with_zero
+from deepshard.engine._zero_wiring import parallel_dims, wrap_with_zero
 from deepshard.engine.loss_scaler import build_loss_scaler
 from deepshard.interface import BatchSizes, DeepShardConfig
 from deepshard.interface.config import CommsLoggerConfig
@@ -146,15 +146,15 @@ def _loader(
     collate_fn: Callable[[list[Any]], Any] | None,
     config: DeepShardConfig,
     batch: BatchSizes,
-    ranks: MeshRanks,
+    dims: ParallelDims,
 ) -> DataLoader[Any] | None:
     if data is None:
         return None
     return build_dataloader(
         data,
         micro_batch_size=batch.train_micro_batch_size_per_gpu,
-        batch_rank=ranks.batch_rank,
-        batch_world_size=ranks.batch_world_size,
+        batch_rank=dims.batch_rank,
+        batch_world_size=dims.batch_world_size,
         collate_fn=collate_fn,
         drop_last=config.dataloader_drop_last,
     )
@@ -168,7 +168,7 @@ def initialize(
     lr_scheduler: SchedulerArg = None,
     training_data: Dataset[Any] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
-    mesh: DeviceMesh | None = None,
+    mesh: DeviceMesh | ParallelDims | None = None,
 ) -> InitializeResult:
     """Builds the training engine, optimizer, data loader and LR schedule for ``model``.
 
@@ -187,9 +187,10 @@ def initialize(
             wins over the config's ``scheduler`` section.
         training_data: A map-style dataset to build a distributed data loader over.
         collate_fn: The loader's collate function.
-        mesh: The device mesh (axes named as `deepshard.interface.Topology.AXES`). When None,
-            the process joins the world with `deepshard.comm.init_distributed` and the mesh is
-            built from the config's topology.
+        mesh: The device mesh (from `deepshard.comm.build_mesh`) or a
+            `deepshard.comm.ParallelDims`. When None, the process joins the world with
+            `deepshard.comm.init_distributed` and ``ParallelDims.build`` builds the mesh and its
+            groups from the config's topology.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``.
@@ -203,24 +204,25 @@ def initialize(
     parsed = _load_config(config)
     check_engine_config(parsed)
     if mesh is None:
-        mesh = build_mesh(parsed.topology(init_distributed().world_size))
-    ranks = MeshRanks(mesh)
-    batch = parsed.resolve_batch(ranks.batch_world_size)
-    _announce(parsed, ranks.global_rank)
-    device = _device(mesh)
+        dims = ParallelDims.build(parsed.topology(init_distributed().world_size))
+    else:
+        dims = parallel_dims(mesh)
+    batch = parsed.resolve_batch(dims.batch_world_size)
+    _announce(parsed, dims.rank)
+    device = _device(dims.mesh)
     precision = plan_precision(parsed, device.type)
     precision.cast_model(model, device)
-    comms = _comms_logger(parsed, ranks.global_rank)
+    comms = _comms_logger(parsed, dims.rank)
     params = default_parameters(model, parsed) if model_parameters is None else model_parameters
     base = select_optimizer(optimizer, params, parsed, module=model)
     zero = None
     if base is not None:
-        zero = wrap_with_zero(base, parsed, mesh=mesh, module=model, comms_logger=comms)
+        zero = wrap_with_zero(base, parsed, dims=dims, module=model, comms_logger=comms)
     schedule = select_scheduler(lr_scheduler, zero, parsed)
     parts = EngineParts(
         config=parsed,
         batch=batch,
-        mesh=mesh,
+        mesh=dims.mesh,
         device=device,
         precision=precision,
         optimizer=zero,
@@ -231,7 +233,7 @@ def initialize(
         ),
         reporter=_reporter(
             parsed,
-            rank=ranks.global_rank,
+            rank=dims.rank,
             train_batch_size=batch.train_batch_size,
             device=device,
             comms_logger=comms,
@@ -239,5 +241,5 @@ def initialize(
         ),
         comms_logger=comms,
     )
-    loader = _loader(training_data, collate_fn, parsed, batch, ranks)
+    loader = _loader(training_data, collate_fn, parsed, batch, dims)
     return InitializeResult(DeepShardEngine(model, parts), zero, loader, schedule)

@@ -60,7 +60,7 @@ def _spanned(topology: Topology, axes: Sequence[str]) -> tuple[str, ...]:
     return tuple(a for a in axes if getattr(topology, a) > 1)
 
 
-def member_lists(topology: Topology, axes: Sequence[str]) -> list[list[int]]:
+def _member_lists(topology: Topology, axes: Sequence[str]) -> list[list[int]]:
     """Every group over ``axes``: ranks equal on all other axes, ascending, by first member.
 
     Args:
@@ -82,7 +82,7 @@ def _new_group_mesh(
     topology: Topology, axes: tuple[str, ...], device_type: str, timeout: timedelta | None
 ) -> DeviceMesh:
     # Every rank creates every group, in the same order (the caller builds all sets eagerly).
-    mine, _ = dist.new_subgroups_by_enumeration(member_lists(topology, axes), timeout=timeout)
+    mine, _ = dist.new_subgroups_by_enumeration(_member_lists(topology, axes), timeout=timeout)
     if not isinstance(mine, dist.ProcessGroup):  # every rank is in one of the groups
         raise CommError(f"this rank is in none of the groups over {axes}; is the world intact?")
     return DeviceMesh.from_group(mine, device_type, mesh_dim_names=("_".join(axes),))

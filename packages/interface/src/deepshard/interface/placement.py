@@ -123,7 +123,9 @@ class ParamPlacement:
                 raise TopologyError(
                     f"axis {axis!r}: {placement!r} is not Replicate(), Shard(dim) or FlatShard()"
                 )
-            if isinstance(placement, Shard) and not 0 <= placement.dim < len(self.global_shape):
+            if isinstance(placement, Shard) and not (
+                isinstance(placement.dim, int) and 0 <= placement.dim < len(self.global_shape)
+            ):
                 raise TopologyError(
                     f"axis {axis!r}: Shard({placement.dim}) is outside the "
                     f"{len(self.global_shape)} dims of a tensor of shape {self.global_shape}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -101,3 +102,62 @@ def test_negative_dim_counts_from_the_end() -> None:
 def test_bad_split_arguments_are_checkpoint_errors(dim: int, world: int, message: str) -> None:
     with pytest.raises(CheckpointError, match=message):
         ShardMap.even_split((4, 6), "float32", dim=dim, world_size=world)
+
+
+def _mesh_map(coords_of: dict[int, tuple[int, ...]]) -> ShardMap:
+    """A tp-split (4, 6) tensor on a dp=2 × tp=2 mesh, pieces spread over dp by coordinate."""
+    pieces = tuple(
+        ShardPiece(coords[0], (0, 3 * coords[1]), (4, 3), 0, 12, coords=coords)
+        for coords in coords_of.values()
+    )
+    return ShardMap((4, 6), "float32", pieces, ("dp",), ("dp", "tp"), (2, 2))
+
+
+def test_pieces_carry_one_coordinate_per_mesh_axis() -> None:
+    coords = {rank: divmod(rank, 2) for rank in range(4)}  # row-major (dp, tp), tp fastest
+    smap = _mesh_map(coords)
+    assert [smap.global_rank(p) for p in smap.pieces] == [0, 1, 2, 3]
+    assert smap.missing_elements() == 0
+    restored = ShardMap.from_json(json.loads(json.dumps(smap.to_json())))
+    assert restored == smap and restored.pieces[3].coords == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"coords": (1, 0, 0)}, "not one coordinate inside each axis"),
+        ({"coords": (0, 2)}, "not one coordinate inside each axis"),
+        ({"rank": 1}, "which are rank 0 of the group over"),
+    ],
+)
+def test_coordinates_must_fit_the_mesh_and_the_group_rank(
+    change: dict[str, object], message: str
+) -> None:
+    piece = ShardPiece(0, (0, 0), (4, 3), coords=(0, 0))
+    with pytest.raises(CheckpointError, match=message):
+        ShardMap((4, 6), "float32", (replace(piece, **change),), ("dp",), ("dp", "tp"), (2, 2))  # type: ignore[arg-type]
+
+
+def test_coordinates_need_a_mesh_and_old_maps_still_read() -> None:
+    with pytest.raises(CheckpointError, match="names no mesh"):
+        ShardMap((4,), "float32", (ShardPiece(0, (0,), (4,), coords=(0,)),))
+    with pytest.raises(CheckpointError, match="not all in mesh_axes"):
+        ShardMap((4,), "float32", (), ("ep",), ("dp",), (2,))
+    old = {
+        "global_shape": [4],
+        "dtype": "float32",
+        "pieces": [
+            {
+                "rank": 0,
+                "box_offset": [0],
+                "box_shape": [4],
+                "flat_start": 0,
+                "flat_stop": 4,
+                "local_offset": 0,
+            }
+        ],
+    }
+    smap = ShardMap.from_json(old)
+    assert smap.mesh_axes == () and smap.pieces[0].coords == ()
+    with pytest.raises(CheckpointError, match="names no mesh"):
+        smap.global_rank(smap.pieces[0])

@@ -1,7 +1,9 @@
 """Process groups, the named device mesh, collectives with async handles and a comms logger.
 
 ``init_distributed()`` joins the world from the launcher's environment; ``build_mesh(topology)``
-creates the mesh whose named axes (``pp, dp, ep, sp, tp``) every other package receives.
+creates the mesh whose named axes (``pp, dp, ep, sp, tp``) every other package receives, and
+``ParallelDims.build(topology)`` adds every group derived from it (dense and expert
+data-parallel, batch, world).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from deepshard.comm.collectives import (
 )
 from deepshard.comm.logger import CommRecord, CommsLogger, CommTiming
 from deepshard.comm.mesh import build_mesh
+from deepshard.comm.parallel_dims import ParallelDims
 
 __all__ = [
     "CommHandle",
@@ -26,6 +29,7 @@ __all__ = [
     "CommTiming",
     "CommsLogger",
     "DistInfo",
+    "ParallelDims",
     "all_gather_into_tensor",
     "all_reduce",
     "all_to_all_single",

@@ -79,9 +79,17 @@ def _no_timeout_error(backend: str, reason: str) -> CommError:
     )
 
 
-def _timeout_overrides(
-    topology: Topology, device_type: str, timeout: timedelta | None
-) -> dict[int | str, Any] | None:
+def group_timeouts(
+    device_type: str, timeout: timedelta | None
+) -> tuple[timedelta, timedelta | None] | None:
+    """The timeout new groups must get, and the default group's; None for a no-wait backend.
+
+    Shared by `build_mesh` and `deepshard.comm.ParallelDims` so that every group DeepShard
+    creates follows one rule (see the module docstring).
+
+    Raises:
+        CommError: The timeout cannot be read or the backend's groups cannot take one.
+    """
     backend = _backend_for(device_type)
     if backend in _NO_WAIT_BACKENDS:
         return None
@@ -89,9 +97,19 @@ def _timeout_overrides(
     wanted = timeout if timeout is not None else default_timeout
     if wanted is None:
         raise _no_timeout_error(backend, "the default group's timeout cannot be read")
-    options = _group_options(backend, wanted)
-    if options is None:
+    if _group_options(backend, wanted) is None:
         raise _no_timeout_error(backend, "its groups take no timeout options")
+    return wanted, default_timeout
+
+
+def _timeout_overrides(
+    topology: Topology, device_type: str, timeout: timedelta | None
+) -> dict[int | str, Any] | None:
+    timeouts = group_timeouts(device_type, timeout)
+    if timeouts is None:
+        return None
+    wanted, default_timeout = timeouts
+    options = _group_options(_backend_for(device_type), wanted)
     world_size = topology.world_size
     # An axis spanning the whole world reuses the default group, which already has the
     # timeout, unless the caller asked for a different one.

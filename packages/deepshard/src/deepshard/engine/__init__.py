@@ -15,7 +15,7 @@ from __future__ import annotations
 from importlib.metadata import version as _dist_version
 
 from deepshard.accelerators import get_accelerator
-from deepshard.comm import build_mesh, init_distributed
+from deepshard.comm import ParallelDims, build_mesh, init_distributed
 from deepshard.engine._arguments import add_config_arguments
 from deepshard.engine._dataloader import RepeatingLoader
 from deepshard.engine._engine import DeepShardEngine, EngineParts
@@ -52,6 +52,7 @@ __all__ = [
     "InitializeResult",
     "LaunchError",
     "LossScaler",
+    "ParallelDims",
     "RepeatingLoader",
     "StaticLossScaler",
     "TensorBytes",

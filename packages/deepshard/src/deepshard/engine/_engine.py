@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
-from deepshard.comm import CommsLogger, DistInfo
+from deepshard.comm import CommsLogger, DistInfo, ParallelDims
 from deepshard.engine import _export
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._engine_reads import EngineReads
@@ -62,7 +61,7 @@ class EngineParts:
     Attributes:
         config: The validated config.
         batch: The reconciled batch sizes.
-        mesh: The training mesh.
+        dims: The training mesh and its derived groups.
         device: Where the model lives.
         precision: Model dtype, autocast and loss-scaling plan.
         optimizer: The ZeRO-wrapped optimizer; None for a forward-only engine.
@@ -77,7 +76,7 @@ class EngineParts:
 
     config: DeepShardConfig
     batch: BatchSizes
-    mesh: DeviceMesh
+    dims: ParallelDims
     device: torch.device
     precision: Precision
     optimizer: ZeroOptimizer | None
@@ -125,7 +124,8 @@ class DeepShardEngine(EngineReads, torch.nn.Module):
         self.loss_scaler = parts.loss_scaler
         self.accumulation = parts.accumulation
         self.comms_logger = parts.comms_logger
-        self.mesh = parts.mesh
+        self.parallel_dims = parts.dims
+        self.mesh = parts.dims.mesh
         self.device = parts.device
         self.global_rank = parts.world.rank
         self.local_rank = parts.world.local_rank
@@ -350,6 +350,6 @@ class DeepShardEngine(EngineReads, torch.nn.Module):
             self.module,
             save_dir,
             save_filename,
-            mesh=self.mesh,
+            world=self.parallel_dims.world,
             exclude_frozen_parameters=exclude_frozen_parameters,
         )

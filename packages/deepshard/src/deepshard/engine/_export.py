@@ -78,16 +78,12 @@ def _cpu_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
 
 
-def _world(mesh: DeviceMesh) -> DeviceMesh:
-    return mesh if mesh.ndim == 1 else mesh._flatten()
-
-
 def save_16bit_model(
     module: torch.nn.Module,
     save_dir: str | Path,
     save_filename: str,
     *,
-    mesh: DeviceMesh,
+    world: DeviceMesh,
     exclude_frozen_parameters: bool = False,
 ) -> Path:
     """Writes the module's weights as safetensors from rank 0; every rank must call it.
@@ -96,7 +92,8 @@ def save_16bit_model(
         module: The trained module (whole on every rank: ZeRO stages 0-2).
         save_dir: The directory; created when missing.
         save_filename: The requested file name (see `safetensors_filename` for the rule).
-        mesh: The training mesh: rank 0 of it writes, and all of it waits for the file.
+        world: Every rank as one group (`ParallelDims.world`): its rank 0 writes, and all of
+            it waits for the file.
         exclude_frozen_parameters: Leave out parameters with ``requires_grad=False``.
 
     Returns:
@@ -106,11 +103,11 @@ def save_16bit_model(
         ConfigError: The file name is refused (on every rank, before any communication).
     """
     path = Path(save_dir) / safetensors_filename(save_filename)
-    if mesh.get_rank() == 0:
+    if world.get_local_rank() == 0:
         if path.name != PurePath(save_filename).name:
             _log.warning("save_16bit_model: writing %s (safetensors, not a pickle)", path)
         path.parent.mkdir(parents=True, exist_ok=True)
         state = module_state_dict(module, exclude_frozen_parameters=exclude_frozen_parameters)
         save_file(_cpu_copies(state), str(path), metadata=_METADATA)
-    barrier(group=_world(mesh))
+    barrier(group=world)
     return path

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
 from deepshard.accelerators import get_accelerator
-from deepshard.comm import CommsLogger, build_mesh
+from deepshard.comm import CommsLogger, ParallelDims
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._arguments import (
     ConfigSource,
@@ -48,7 +48,7 @@ from deepshard.engine._logging import announce, log_all_ranks
 from deepshard.engine._precision import plan_precision
 from deepshard.engine._profiling import StepProfiling
 from deepshard.engine._reporting import ProgressReporter, TensorBytes, tensor_bytes
-from deepshard.engine._zero_wiring import MeshRanks, wrap_with_zero
+from deepshard.engine._zero_wiring import parallel_dims, wrap_with_zero
 from deepshard.engine.loss_scaler import build_loss_scaler
 from deepshard.interface import BatchSizes, DeepShardConfig
 from deepshard.interface.config import CommsLoggerConfig
@@ -143,15 +143,15 @@ def _loader(
     collate_fn: Callable[[list[Any]], Any] | None,
     config: DeepShardConfig,
     batch: BatchSizes,
-    ranks: MeshRanks,
+    dims: ParallelDims,
 ) -> DataLoader[Any] | None:
     if data is None:
         return None
     return build_dataloader(
         data,
         micro_batch_size=batch.train_micro_batch_size_per_gpu,
-        batch_rank=ranks.batch_rank,
-        batch_world_size=ranks.batch_world_size,
+        batch_rank=dims.batch_rank,
+        batch_world_size=dims.batch_world_size,
         collate_fn=collate_fn,
         drop_last=config.dataloader_drop_last,
     )
@@ -165,7 +165,7 @@ def initialize(
     lr_scheduler: SchedulerArg = None,
     training_data: Dataset[Any] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
-    mesh: DeviceMesh | None = None,
+    mesh: DeviceMesh | ParallelDims | None = None,
     *,
     args: Any = None,
     config_params: ConfigSource | None = None,
@@ -194,9 +194,10 @@ def initialize(
             wins over the config's ``scheduler`` section.
         training_data: A map-style dataset to build a distributed data loader over.
         collate_fn: The loader's collate function.
-        mesh: The device mesh (axes named as `deepshard.interface.Topology.AXES`). When None,
-            the process joins the world with `deepshard.comm.init_distributed` and the mesh is
-            built from the config's topology.
+        mesh: The device mesh (from `deepshard.comm.build_mesh`) or a
+            `deepshard.comm.ParallelDims`. When None, the process joins the world with
+            `deepshard.comm.init_distributed` and ``ParallelDims.build`` builds the mesh and its
+            groups from the config's topology.
         args: The script's parsed arguments: ``args.deepspeed_config`` or
             ``args.deepshard_config`` (see `add_config_arguments`) names the config file when
             ``config`` is not given.
@@ -226,24 +227,25 @@ def initialize(
     check_engine_config(parsed)
     world = join_world(dist_init_required if mesh is None else False, distributed_port)
     if mesh is None:
-        mesh = build_mesh(parsed.topology(world.world_size))
-    ranks = MeshRanks(mesh)
-    batch = parsed.resolve_batch(ranks.batch_world_size)
-    announce(parsed, rank=ranks.global_rank, environ=os.environ)
-    device = _device(mesh)
+        dims = ParallelDims.build(parsed.topology(world.world_size))
+    else:
+        dims = parallel_dims(mesh)
+    batch = parsed.resolve_batch(dims.batch_world_size)
+    announce(parsed, rank=dims.rank, environ=os.environ)
+    device = _device(dims.mesh)
     precision = plan_precision(parsed, device.type)
     precision.cast_model(model, device)
-    comms = _comms_logger(parsed, ranks.global_rank)
+    comms = _comms_logger(parsed, dims.rank)
     params = default_parameters(model, parsed) if model_parameters is None else model_parameters
     base = select_optimizer(optimizer, params, parsed, module=model)
     zero = None
     if base is not None:
-        zero = wrap_with_zero(base, parsed, mesh=mesh, module=model, comms_logger=comms)
+        zero = wrap_with_zero(base, parsed, dims=dims, module=model, comms_logger=comms)
     schedule = select_scheduler(lr_scheduler, zero, parsed)
     parts = EngineParts(
         config=parsed,
         batch=batch,
-        mesh=mesh,
+        dims=dims,
         device=device,
         precision=precision,
         optimizer=zero,
@@ -254,7 +256,7 @@ def initialize(
         ),
         reporter=_reporter(
             parsed,
-            rank=ranks.global_rank,
+            rank=dims.rank,
             train_batch_size=batch.train_batch_size,
             device=device,
             comms_logger=comms,
@@ -265,11 +267,11 @@ def initialize(
         profiling=StepProfiling(
             parsed.flops_profiler,
             module=model,
-            rank=ranks.global_rank,
-            world_size=mesh.size(),
-            dp_size=ranks.batch_world_size,
+            rank=dims.rank,
+            world_size=dims.mesh.size(),
+            dp_size=dims.batch_world_size,
             batch=batch,
         ),
     )
-    loader = _loader(training_data, collate_fn, parsed, batch, ranks)
+    loader = _loader(training_data, collate_fn, parsed, batch, dims)
     return InitializeResult(DeepShardEngine(model, parts), zero, loader, schedule)

@@ -1,8 +1,9 @@
 """How the engine attaches ZeRO: which group it partitions over, and when a pass is a boundary.
 
-Dense parameters are replicated over the mesh axes ``dp × ep × sp`` (`Topology.dense_dp_axes`),
-so that is the group ZeRO reduces gradients and partitions state over: ``mesh["dp"]`` when it
-is the only one of them larger than 1, else those axes flattened into one.
+The engine describes the model's parameters with the default placement registry (every
+parameter whole on every rank, reduced over ``dp × ep × sp``, `Topology.dense_dp_axes`) and
+hands ZeRO the matching group from `deepshard.comm.ParallelDims` (``dims.dense_dp``); ZeRO
+checks the two agree and derives its shard maps from the placements.
 
 ZeRO reduces gradients *during* the backward pass that ends an accumulation cycle, from its
 parameter hooks, so it must know before the pass starts whether it is a boundary, also when the
@@ -23,75 +24,28 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from deepshard.comm import CommsLogger
-from deepshard.interface import DeepShardConfig, Topology, TopologyError
+from deepshard.comm import CommsLogger, ParallelDims
+from deepshard.interface import DeepShardConfig, PlacementRegistry
 from deepshard.optimizers import Muon, muon_update
 from deepshard.zero import ZeroOptimizer, build_zero_optimizer
 
-__all__ = ["MeshRanks", "dense_dp_group", "wrap_with_zero"]
+__all__ = ["parallel_dims", "wrap_with_zero"]
 
 
-def _axis_size(mesh: DeviceMesh, axis: str) -> int:
-    names = mesh.mesh_dim_names or ()
-    return mesh[axis].size() if axis in names else 1
-
-
-def _check_named(mesh: DeviceMesh) -> None:
-    names = mesh.mesh_dim_names or ()
-    if "dp" not in names:
-        raise TopologyError(
-            f"the mesh passed to initialize has axes {names or '(unnamed)'}; it needs a 'dp' "
-            "axis (build it with deepshard.comm.build_mesh(topology))"
-        )
-
-
-def dense_dp_group(mesh: DeviceMesh) -> tuple[DeviceMesh, tuple[str, ...]]:
-    """The one-axis mesh dense gradients are reduced over, and the mesh axes it spans.
-
-    Args:
-        mesh: The training mesh (axes named as in `Topology.AXES`; missing ones count as 1).
-
-    Returns:
-        ``(group, axes)``: ``mesh["dp"]`` and ``("dp",)`` unless ``ep`` or ``sp`` is larger
-        than 1, then the flattened axes.
+def parallel_dims(mesh: DeviceMesh | ParallelDims) -> ParallelDims:
+    """The `ParallelDims` of what the caller passed to ``initialize`` as its mesh.
 
     Raises:
-        TopologyError: The mesh has no ``dp`` axis.
+        TopologyError: A mesh without DeepShard's five axes in row-major order.
     """
-    _check_named(mesh)
-    axes = tuple(a for a in Topology.dense_dp_axes if a == "dp" or _axis_size(mesh, a) > 1)
-    if axes == ("dp",):
-        return mesh["dp"], axes
-    return mesh[axes]._flatten(), axes
-
-
-class MeshRanks:
-    """Where this rank sits for the data: its index among the ranks reading different samples.
-
-    Args:
-        mesh: The training mesh.
-
-    Raises:
-        TopologyError: The mesh has no ``dp`` axis.
-    """
-
-    def __init__(self, mesh: DeviceMesh) -> None:
-        _check_named(mesh)
-        ep = _axis_size(mesh, "ep")
-        ep_rank = mesh["ep"].get_local_rank() if ep > 1 else 0
-        self.global_rank = mesh.get_rank()
-        """The rank in the whole world."""
-        self.batch_world_size = mesh["dp"].size() * ep
-        """Ranks that each read their own micro-batch (dp × ep)."""
-        self.batch_rank = mesh["dp"].get_local_rank() * ep + ep_rank
-        """This rank's index among them."""
+    return mesh if isinstance(mesh, ParallelDims) else ParallelDims.from_mesh(mesh)
 
 
 def wrap_with_zero(
     optimizer: torch.optim.Optimizer,
     config: DeepShardConfig,
     *,
-    mesh: DeviceMesh,
+    dims: ParallelDims,
     module: torch.nn.Module,
     comms_logger: CommsLogger | None,
 ) -> ZeroOptimizer:
@@ -100,8 +54,8 @@ def wrap_with_zero(
     Args:
         optimizer: The inner optimizer on the module's (already cast) parameters.
         config: The whole config (ZeRO reads its section and the gradient settings).
-        mesh: The training mesh.
-        module: The model, for parameter names in the shard maps.
+        dims: The training mesh and its groups (ZeRO gets ``dims.dense_dp``).
+        module: The model (already cast): its parameter names and shapes make the placements.
         comms_logger: Records every collective ZeRO issues.
 
     Returns:
@@ -111,15 +65,15 @@ def wrap_with_zero(
         ConfigError: As `deepshard.zero.build_zero_optimizer` does (stage 3, offload,
             ``compute_grad_norm: false`` with clipping, an untested optimizer...).
     """
-    group, axes = dense_dp_group(mesh)
+    placements = PlacementRegistry.replicated(module.named_parameters(), dims.topology)
     muon = isinstance(optimizer, Muon)
     return build_zero_optimizer(
         optimizer,
         config,
-        group=group,
+        group=dims.dense_dp,
         comms_logger=comms_logger,
         named_parameters=module.named_parameters(),
-        axes=axes,
+        placements=placements,
         full_grad_transform=_muon_transform if muon else None,
         transformed_params=_muon_params(optimizer) if muon else (),
     )

@@ -14,19 +14,33 @@ from deepshard.interface.errors import (
     TopologyError,
 )
 from deepshard.interface.params import ParamShapes
+from deepshard.interface.placement import (
+    AxisPlacement,
+    FlatShard,
+    ParamPlacement,
+    PlacementRegistry,
+    Replicate,
+    Shard,
+)
 from deepshard.interface.shard_map import ShardMap, ShardPiece
 from deepshard.interface.topology import Topology
 
 __all__ = [
     "Accelerator",
+    "AxisPlacement",
     "BatchSizes",
     "CheckpointError",
     "CommError",
     "ConfigError",
     "DeepShardConfig",
     "DeepShardError",
+    "FlatShard",
     "LaunchError",
+    "ParamPlacement",
     "ParamShapes",
+    "PlacementRegistry",
+    "Replicate",
+    "Shard",
     "ShardMap",
     "ShardPiece",
     "Topology",

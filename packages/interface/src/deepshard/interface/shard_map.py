@@ -16,6 +16,12 @@ Local element ``i`` of a piece is therefore global element
 ``box_offset + unravel(flat_start + i, box_shape)``. TP slicing followed by ZeRO partitioning of
 the slice is one piece of each kind composed, and replication is several ranks holding equal
 pieces. The map is plain data (JSON in checkpoints, no pickles) and never imports torch.
+
+A map may also name the whole mesh (``mesh_axes``, ``mesh_shape``); every piece then carries
+its holder's coordinate on each mesh axis (``coords``), so the maps written by ranks in different
+tensor-, expert- or pipeline-parallel positions can be merged without knowing how their groups
+were built. ``rank`` stays the holder's index in the group spread over ``axes`` (row-major over
+those axes' coordinates, which the map checks). Maps without a mesh are read as before.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class ShardPiece:
         flat_stop: One past the last stored element; ``None`` means the end of the box.
         local_offset: Where the piece starts in the rank's local flat storage (ZeRO buffers hold
             several parameters back to back, each 16-byte aligned).
+        coords: The holder's coordinate on every axis of the map's ``mesh_axes`` (empty when the
+            map names no mesh).
     """
 
     rank: int
@@ -54,6 +62,7 @@ class ShardPiece:
     flat_start: int = 0
     flat_stop: int | None = None
     local_offset: int = 0
+    coords: tuple[int, ...] = ()
 
     @property
     def stop(self) -> int:
@@ -85,6 +94,7 @@ class ShardPiece:
             "flat_start": self.flat_start,
             "flat_stop": self.stop,
             "local_offset": self.local_offset,
+            "coords": list(self.coords),
         }
 
     @classmethod
@@ -98,6 +108,7 @@ class ShardPiece:
                 flat_start=int(data["flat_start"]),
                 flat_stop=int(data["flat_stop"]),
                 local_offset=int(data["local_offset"]),
+                coords=tuple(int(x) for x in data.get("coords", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"malformed shard piece {data!r}: {exc}") from exc
@@ -112,16 +123,70 @@ class ShardMap:
         dtype: The element type as torch names it (``"float32"``, ``"bfloat16"``...).
         pieces: Every rank's pieces; a rank may hold several, several ranks may hold equal ones.
         axes: The mesh axes the pieces are spread over, outermost first (e.g. ``("dp",)``).
+        mesh_axes: Every axis of the mesh, outermost first; empty when the map names no mesh.
+        mesh_shape: The size of each of ``mesh_axes``.
     """
 
     global_shape: tuple[int, ...]
     dtype: str
     pieces: tuple[ShardPiece, ...]
     axes: tuple[str, ...] = field(default=())
+    mesh_axes: tuple[str, ...] = field(default=())
+    mesh_shape: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        self._check_mesh()
         for piece in self.pieces:
             self._check_piece(piece)
+            self._check_coords(piece)
+
+    def _check_mesh(self) -> None:
+        if len(self.mesh_axes) != len(self.mesh_shape) or any(s < 1 for s in self.mesh_shape):
+            raise CheckpointError(
+                f"mesh_axes {self.mesh_axes} and mesh_shape {self.mesh_shape} must have one "
+                "positive size per axis"
+            )
+        if self.mesh_axes and not set(self.axes) <= set(self.mesh_axes):
+            raise CheckpointError(f"axes {self.axes} are not all in mesh_axes {self.mesh_axes}")
+
+    def _check_coords(self, piece: ShardPiece) -> None:
+        if not self.mesh_axes:
+            if piece.coords:
+                raise CheckpointError(
+                    f"shard piece of rank {piece.rank} has coords {piece.coords} but the map "
+                    "names no mesh (set mesh_axes and mesh_shape)"
+                )
+            return
+        mesh = dict(zip(self.mesh_axes, self.mesh_shape, strict=True))
+        if len(piece.coords) != len(mesh) or not all(
+            0 <= c < s for c, s in zip(piece.coords, self.mesh_shape, strict=True)
+        ):
+            raise CheckpointError(
+                f"shard piece of rank {piece.rank} has coords {piece.coords}, not one "
+                f"coordinate inside each axis of the mesh {mesh}"
+            )
+        if self.axes and piece.rank != self._ravel(piece.coords, self.axes):
+            raise CheckpointError(
+                f"shard piece of rank {piece.rank} has coords {piece.coords}, which are rank "
+                f"{self._ravel(piece.coords, self.axes)} of the group over {self.axes}"
+            )
+
+    def _ravel(self, coords: Sequence[int], axes: Sequence[str]) -> int:
+        index = 0
+        for axis in axes:
+            position = self.mesh_axes.index(axis)
+            index = index * self.mesh_shape[position] + coords[position]
+        return index
+
+    def global_rank(self, piece: ShardPiece) -> int:
+        """The holder's rank in the whole mesh (row-major over ``mesh_axes``).
+
+        Raises:
+            CheckpointError: The map names no mesh.
+        """
+        if not self.mesh_axes:
+            raise CheckpointError("this shard map names no mesh, so its pieces have no coords")
+        return self._ravel(piece.coords, self.mesh_axes)
 
     def _check_piece(self, piece: ShardPiece) -> None:
         if len(piece.box_offset) != len(self.global_shape) or len(piece.box_shape) != len(
@@ -181,6 +246,8 @@ class ShardMap:
             "global_shape": list(self.global_shape),
             "dtype": self.dtype,
             "axes": list(self.axes),
+            "mesh_axes": list(self.mesh_axes),
+            "mesh_shape": list(self.mesh_shape),
             "pieces": [p.to_json() for p in self.pieces],
         }
 
@@ -192,6 +259,8 @@ class ShardMap:
                 global_shape=tuple(int(x) for x in data["global_shape"]),
                 dtype=str(data["dtype"]),
                 axes=tuple(str(a) for a in data.get("axes", ())),
+                mesh_axes=tuple(str(a) for a in data.get("mesh_axes", ())),
+                mesh_shape=tuple(int(x) for x in data.get("mesh_shape", ())),
                 pieces=tuple(ShardPiece.from_json(p) for p in data["pieces"]),
             )
         except (KeyError, TypeError, ValueError) as exc:

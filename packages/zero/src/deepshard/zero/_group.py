@@ -25,8 +25,8 @@ def resolve_group(group: Group) -> dist.ProcessGroup:
         if group.ndim != 1:
             raise TopologyError(
                 f"ZeRO needs its data-parallel group as one mesh axis, got a mesh with axes "
-                f"{group.mesh_dim_names}; pass mesh['dp'], or flatten the data-parallel axes "
-                "first (mesh['dp', 'ep', 'sp']._flatten())"
+                f"{group.mesh_dim_names}; pass mesh['dp'], or the flattened data-parallel group "
+                "deepshard.comm.ParallelDims.build(topology).dense_dp"
             )
         return group.get_group()
     if isinstance(group, dist.ProcessGroup):

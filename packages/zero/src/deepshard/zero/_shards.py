@@ -1,20 +1,23 @@
 """Shard maps of the master weights: which rank holds which elements of each parameter.
 
 This is what the checkpoint package reads. Each trainable parameter gets a
-`deepshard.interface.ShardMap` over the data-parallel group, with one piece per rank holding
-part of it: the flat range of the parameter (row-major) and ``local_offset``, where that range
-starts in the rank's fp32 master partition of the parameter's param group. At stage 0 every rank
-holds every parameter whole (the map is replicated).
+`deepshard.interface.ShardMap` over ZeRO's data-parallel group, derived from the parameter's
+placement (`deepshard.zero._placements`): the box of the global tensor its holder keeps (the
+whole tensor for a plain model, a slice under tensor parallelism), then the flat range of that
+box the holder's fp32 master partition covers, with ``local_offset``, where that range starts in
+the master partition of the parameter's param group. Every piece carries its holder's
+coordinate on each mesh axis. At stage 0 every rank holds every parameter whole (the map is
+replicated over the group); at stages 1-2 the masters' placement marks the reduction axes
+`deepshard.interface.FlatShard`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
-import torch
-
-from deepshard.interface import ShardMap, ShardPiece
+from deepshard.interface import FlatShard, ParamPlacement, ShardMap, ShardPiece
+from deepshard.zero._placements import GroupPlacements
 from deepshard.zero.layout import FlatLayout, ParamSlot
 
 __all__ = ["ParamShard", "param_shards"]
@@ -29,48 +32,72 @@ class ParamShard:
             ``param_groups.<g>.params.<i>`` (its position among the group's trainable ones).
         group_index: The param group whose master partition ``local_offset`` refers to.
         shard_map: The pieces every rank of the data-parallel group holds (fp32).
+        placement: The masters' placement: the parameter's own, in fp32, with `FlatShard` on
+            the reduction axes when they are partitioned (stages 1-2).
     """
 
     name: str
     group_index: int
     shard_map: ShardMap
+    placement: ParamPlacement
 
 
-def _pieces(layout: FlatLayout, slot: ParamSlot, group_size: int) -> tuple[ShardPiece, ...]:
-    shape = slot.shape
-    origin = tuple(0 for _ in shape)
+def _spans(layout: FlatLayout, slot: ParamSlot, group_size: int) -> list[tuple[int, ...]]:
+    """``(group rank, flat_start, flat_stop, local_offset)`` of every holder of ``slot``."""
     if slot.numel == 0:
-        return ()
+        return []
     if layout.world_size == 1:  # replicated: every rank holds the whole partition
-        return tuple(
-            ShardPiece(r, origin, shape, 0, slot.numel, slot.offset) for r in range(group_size)
+        return [(r, 0, slot.numel, slot.offset) for r in range(group_size)]
+    return [(p.rank, p.flat_start, p.flat_stop, p.local_offset) for p in layout.pieces(slot)]
+
+
+def _shard_map(
+    layout: FlatLayout, slot: ParamSlot, placement: ParamPlacement, where: GroupPlacements
+) -> ShardMap:
+    topology = where.topology
+    pieces = []
+    for rank, start, stop, local in _spans(layout, slot, len(where.member_coords)):
+        coords = where.member_coords[rank]
+        offset, box = placement.local_box(
+            topology, dict(zip(topology.axis_names, coords, strict=True))
         )
-    return tuple(
-        ShardPiece(p.rank, origin, shape, p.flat_start, p.flat_stop, p.local_offset)
-        for p in layout.pieces(slot)
+        pieces.append(ShardPiece(rank, offset, box, start, stop, local, coords))
+    return ShardMap(
+        placement.global_shape,
+        "float32",
+        tuple(pieces),
+        where.axes,
+        topology.axis_names,
+        topology.shape,
     )
 
 
+def _master_placement(
+    placement: ParamPlacement, axes: Sequence[str], partitioned: bool
+) -> ParamPlacement:
+    masters = replace(placement, dtype="float32")
+    for axis in axes if partitioned else ():
+        masters = masters.with_axis(axis, FlatShard())
+    return masters
+
+
 def param_shards(
-    params: Sequence[Sequence[torch.Tensor]],
     layouts: Sequence[FlatLayout],
-    group_size: int,
-    names: Mapping[int, str],
-    axes: tuple[str, ...],
+    names: Sequence[Sequence[str]],
+    where: GroupPlacements,
 ) -> tuple[ParamShard, ...]:
     """Every trainable parameter's `ParamShard`, group by group.
 
     Args:
-        params: Trainable parameters per group, in layout order.
-        layouts: Their layouts.
-        group_size: Ranks in the data-parallel group.
-        names: Parameter name by ``id(param)``.
-        axes: Mesh axes of the data-parallel group.
+        layouts: The layouts of the param groups.
+        names: Parameter names per group, in layout order.
+        where: The parameters' placements and the group members' coordinates.
     """
     shards = []
-    for g, (group_params, layout) in enumerate(zip(params, layouts, strict=True)):
-        for param, slot in zip(group_params, layout.slots, strict=True):
-            name = names.get(id(param), f"param_groups.{g}.params.{slot.index}")
-            pieces = _pieces(layout, slot, group_size)
-            shards.append(ParamShard(name, g, ShardMap(slot.shape, "float32", pieces, axes)))
+    for g, layout in enumerate(layouts):
+        for name, slot in zip(names[g], layout.slots, strict=True):
+            placement = where.placements[g][slot.index]
+            shard_map = _shard_map(layout, slot, placement, where)
+            masters = _master_placement(placement, where.axes, layout.world_size > 1)
+            shards.append(ParamShard(name, g, shard_map, masters))
     return tuple(shards)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
 from deepshard.comm import CommsLogger
-from deepshard.interface import DeepShardConfig
+from deepshard.interface import DeepShardConfig, PlacementRegistry
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._group import Group
 from deepshard.zero.optimizer import ZeroOptimizer
@@ -23,7 +23,7 @@ def build_zero_optimizer(
     group: Group,
     comms_logger: CommsLogger | None = None,
     named_parameters: Iterable[tuple[str, torch.Tensor]] = (),
-    axes: Sequence[str] = ("dp",),
+    placements: PlacementRegistry | None = None,
     full_grad_transform: FullGradTransform | None = None,
     transformed_params: Iterable[torch.Tensor] = (),
 ) -> ZeroOptimizer:
@@ -40,7 +40,8 @@ def build_zero_optimizer(
         group: The data-parallel group of the dense parameters.
         comms_logger: Records every collective.
         named_parameters: Names for the shard maps, e.g. ``model.named_parameters()``.
-        axes: Mesh axes ``group`` spans.
+        placements: Every parameter's placement; ``group`` is their reduction group (see
+            `ZeroOptimizer`).
         full_grad_transform: ``(grad, buffer, param_group) -> update`` on the full reduced
             gradient of each of ``transformed_params`` at every step, e.g. Muon's
             ``muon_update`` with the momentum as the buffer (see `ZeroOptimizer`).
@@ -70,7 +71,7 @@ def build_zero_optimizer(
         zero_allow_untested_optimizer=config.zero_allow_untested_optimizer,
         comms_logger=comms_logger,
         named_parameters=named_parameters,
-        axes=axes,
+        placements=placements,
         full_grad_transform=full_grad_transform,
         transformed_params=transformed_params,
     )

@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from deepshard.comm import CommsLogger
+from deepshard.interface import PlacementRegistry
 from deepshard.interface.config import ZeroConfig
 from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._flat_params import flatten_param_groups
@@ -57,6 +58,7 @@ from deepshard.zero._gradients import (
 from deepshard.zero._group import Group, resolve_group
 from deepshard.zero._optimizer_check import check_optimizer, master_view_numel
 from deepshard.zero._passes import BackwardPasses
+from deepshard.zero._placements import param_names, registration_positions, resolve_placements
 from deepshard.zero._settings import check_zero_settings, message_sizes
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
@@ -66,16 +68,6 @@ from deepshard.zero.norms import check_norm_type, scale_factor
 from deepshard.zero.reduction import GradientReduction
 
 __all__ = ["ParamShard", "StepResult", "ZeroOptimizer"]
-
-
-def _registration_positions(
-    params: list[list[torch.nn.Parameter]], named: list[tuple[str, torch.Tensor]]
-) -> tuple[tuple[int, ...], ...] | None:
-    """Each trainable parameter's index in ``named``, per group; None unless all are named."""
-    index = {id(param): i for i, (_, param) in enumerate(named)}
-    if not all(id(p) in index for group in params for p in group):
-        return None
-    return tuple(tuple(index[id(p)] for p in group) for group in params)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -102,7 +94,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         named_parameters: ``model.named_parameters()``: names for `shard_maps`, and the
             registration order, which sets the order buckets are reduced in (reverse buffer
             order without it).
-        axes: The mesh axes ``group`` spans, recorded in the shard maps.
+        placements: Every parameter's placement by name (its global shape and reduction axes;
+            `deepshard.zero._placements`), which `shard_maps` are derived from; ``group`` must
+            be the parameters' reduction group. None: every parameter whole on every rank of
+            ``group``, described as a one-axis ``dp`` mesh.
         full_grad_transform: ``(grad, buffer, param_group) -> update``, applied at each step to
             the full reduced gradient of every parameter in ``transformed_params`` (see
             `deepshard.zero._full_grads`; e.g. Muon's `muon_update` with the momentum as the
@@ -114,6 +109,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Raises:
         ConfigError: Unsupported settings, an unsuitable optimizer, param groups mixing dtypes,
             or ``transformed_params`` without a transform or not forming whole param groups.
+        TopologyError: A parameter's placement is missing or does not fit it, or ``group`` is
+            not the parameters' reduction group.
     """
 
     def __init__(
@@ -129,7 +126,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         zero_allow_untested_optimizer: bool = False,
         comms_logger: CommsLogger | None = None,
         named_parameters: Iterable[tuple[str, torch.Tensor]] = (),
-        axes: Sequence[str] = ("dp",),
+        placements: PlacementRegistry | None = None,
         full_grad_transform: FullGradTransform | None = None,
         transformed_params: Iterable[torch.Tensor] = (),
     ) -> None:
@@ -156,10 +153,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             plan_gather_calls(f.layout, max_numel=gather_numel) for f in self._flat
         ]
         named = list(named_parameters)
-        names = {id(param): name for name, param in named}
-        self._shards = param_shards(
-            self._params, self.layouts, self._group.size(), names, tuple(axes)
-        )
+        names = param_names(self._params, named)
+        where = resolve_placements(self._group, self._params, names, placements)
+        self._shards = param_shards(self.layouts, names, where)
         self._full = FullGradTransforms.build(
             full_grad_transform,
             selected,
@@ -178,7 +174,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             use_reduce_scatter=self.config.reduce_scatter,
             accum_dtype=grad_accum_dtype,
             logger=comms_logger,
-            param_positions=_registration_positions(self._params, named),
+            param_positions=registration_positions(self._params, named),
             full_groups=frozenset(g for g, flag in enumerate(self._full.flags) if flag),
         )
         self._store = self._build_store(settings)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -144,14 +145,34 @@ def test_the_watchdog_time_comes_from_config_then_env_then_default() -> None:
 class _HangingWork:
     """A backend work that never completes: its timed wait raises like gloo's."""
 
+    def get_future(self) -> None:
+        return None
+
     def wait(self, timeout: object = None) -> bool:
         time.sleep(timeout.total_seconds())  # type: ignore[attr-defined]
         raise RuntimeError("Operation timed out!")
 
 
-class _BrokenWork:
+class _BrokenWork(_HangingWork):
     def wait(self, timeout: object = None) -> bool:
         raise RuntimeError("Connection closed by peer")
+
+
+class _WrapperWork:
+    """Like gloo's reduce_scatter work: no future, and a wait that ignores any timeout."""
+
+    def __init__(self, error: str | None = None, hang: bool = False) -> None:
+        self.error, self.hang, self.release = error, hang, threading.Event()
+
+    def get_future(self) -> None:
+        raise RuntimeError("Work::getFuture not implemented.")
+
+    def wait(self, timeout: object = None) -> bool:
+        if self.hang:
+            self.release.wait()
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
 
 
 def _watched(track: _GroupTrack) -> WatchedCall:
@@ -178,6 +199,19 @@ def test_a_timed_out_wait_raises_the_report_and_a_backend_error_passes_through()
         assert lines[2] == "  rank 2 silent: published no watchdog record"
         with pytest.raises(RuntimeError, match="Connection closed by peer"):
             dog.wait(_BrokenWork(), _watched(track))  # type: ignore[arg-type]
+
+        # A work whose wait ignores timeouts is waited for on a helper thread.
+        done = _watched(track)
+        dog.wait(_WrapperWork(), done)  # type: ignore[arg-type]
+        assert done.done
+        with pytest.raises(RuntimeError, match="gloo failed"):
+            dog.wait(_WrapperWork(error="gloo failed"), _watched(track))  # type: ignore[arg-type]
+        hung = _WrapperWork(hang=True)
+        start = time.monotonic()
+        with pytest.raises(CommError, match=r"reduce|all_reduce #5 \(bfloat16\[2\]\)"):
+            dog.wait(hung, _watched(track))  # type: ignore[arg-type]
+        assert 0.3 <= time.monotonic() - start < 0.3 + 0.2 + 1.0
+        hung.release.set()
     finally:
         dog.close()
         peer.close()

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -22,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
 from deepshard.accelerators import get_accelerator
-from deepshard.comm import CommsLogger, build_mesh, init_distributed
+from deepshard.comm import CommsLogger, CommWatchdog, build_mesh, init_distributed
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._checks import check_engine_config, ignored_settings
 from deepshard.engine._components import (
@@ -47,6 +48,7 @@ from deepshard.engine.loss_scaler import build_loss_scaler
 from deepshard.interface import BatchSizes, DeepShardConfig
 from deepshard.interface.config import CommsLoggerConfig
 from deepshard.interface.errors import ConfigError
+from deepshard.interface.watchdog import resolve_watchdog_s
 from deepshard.zero import ZeroOptimizer
 
 __all__ = ["InitializeResult", "initialize"]
@@ -90,11 +92,17 @@ def _device(mesh: DeviceMesh) -> torch.device:
 
 
 def _comms_logger(config: DeepShardConfig, rank: int) -> CommsLogger | None:
+    # ZeRO threads this logger through every collective it issues, so it also carries the
+    # comms watchdog (a disabled logger records nothing and costs nothing).
+    seconds = resolve_watchdog_s(config.comms_watchdog_s, os.environ)
+    watchdog = None if seconds is None else CommWatchdog(seconds)
     if config.comms_logger.enabled:
-        return CommsLogger(config.comms_logger, rank=rank)
+        return CommsLogger(config.comms_logger, rank=rank, watchdog=watchdog)
     if config.wall_clock_breakdown:  # only ZeRO's reductions, for the "reduce" timer
         quiet = CommsLoggerConfig(enabled=True, prof_all=False, prof_ops=list(REDUCE_LOG_NAMES))
-        return CommsLogger(quiet, rank=rank)
+        return CommsLogger(quiet, rank=rank, watchdog=watchdog)
+    if watchdog is not None:
+        return CommsLogger(CommsLoggerConfig(enabled=False), rank=rank, watchdog=watchdog)
     return None
 
 

@@ -1,4 +1,4 @@
-"""Per-collective cost of the comms watchdog on 2 local gloo ranks.
+"""Per-collective cost of the comms watchdog on 2 local gloo ranks (or 1, ``--world 1``).
 
 Each rank issues ``--calls`` collectives of a small fp32 tensor (``--numel`` elements) per
 round, in four variants that alternate round by round (so a slow phase of a shared machine hits
@@ -7,7 +7,9 @@ them alike): ``torch.distributed`` itself, DeepShard's collective without a watc
 way). The time per call is the round's wall time divided by the calls; the median over
 ``--rounds`` rounds is printed, with the watchdog's overhead against DeepShard without it. Ops:
 ``all_reduce`` (sync), ``all_reduce`` async then ``wait()``, and ``reduce_scatter_tensor``
-(whose gloo work ignores a wait timeout, so the watchdog polls it).
+(whose gloo work ignores a wait timeout, so the watchdog waits for it on a helper thread). A
+world of one still runs gloo's code path but no network, so the overhead stands out of less
+noise.
 
 Run from the repository root::
 
@@ -61,8 +63,9 @@ def _rank_main(rank: int, store_path: str, args: argparse.Namespace) -> None:
     import deepshard.comm as comm
     from deepshard.interface.config.comms_logger import CommsLoggerConfig
 
-    store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(60))
+    world = args.world
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(60))
     dog = comm.CommWatchdog(120.0)
     quiet = comm.CommsLogger(CommsLoggerConfig(enabled=False), watchdog=dog)
     extras: dict[str, dict[str, Any]] = {
@@ -71,7 +74,7 @@ def _rank_main(rank: int, store_path: str, args: argparse.Namespace) -> None:
         "watchdog": {"group": dist.group.WORLD, "watchdog": dog},
         "watchdog_via_logger": {"group": dist.group.WORLD, "logger": quiet},
     }
-    tensor, out = torch.ones(args.numel), torch.empty(args.numel // 2)
+    tensor, out = torch.ones(args.numel), torch.empty(args.numel // world)
     results: dict[str, dict[str, list[float]]] = {op: {v: [] for v in VARIANTS} for op in OPS}
     for op in OPS:
         calls = {v: _call(op, v, tensor, out, extras[v]) for v in VARIANTS}
@@ -105,8 +108,9 @@ def _print_table(results: dict[str, dict[str, list[float]]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--calls", type=int, default=2000, help="calls per round and variant")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per op")
+    parser.add_argument("--calls", type=int, default=200, help="calls per round and variant")
+    parser.add_argument("--rounds", type=int, default=40, help="rounds per op")
+    parser.add_argument("--world", type=int, default=2, choices=(1, 2), help="ranks")
     parser.add_argument("--numel", type=int, default=16, help="elements of the tensor (even)")
     parser.add_argument("--as-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
@@ -119,9 +123,12 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         argv = [sys.executable, __file__, "--store", store, "--calls", str(args.calls)]
         argv += ["--rounds", str(args.rounds), "--numel", str(args.numel)]
+        argv += ["--world", str(args.world)]
         procs = [
-            subprocess.Popen([*argv, "--as-rank", str(r)], env=env, stdout=subprocess.PIPE, text=True)
-            for r in (0, 1)
+            subprocess.Popen(
+                [*argv, "--as-rank", str(r)], env=env, stdout=subprocess.PIPE, text=True
+            )
+            for r in range(args.world)
         ]
         outputs = [p.communicate(timeout=600)[0] for p in procs]
         if any(p.returncode for p in procs):

@@ -46,6 +46,7 @@ __all__ = ["CommWatchdog", "WatchedCall"]
 
 _PREFIX = "deepshard_watchdog"
 _STACK_FRAMES = 4
+_NOT_USER_CODE = ("deepshard.", "torch.")
 
 
 class _GroupTrack:
@@ -176,17 +177,18 @@ def _short_path(path: str) -> str:
 
 
 def _call_sites() -> tuple[tuple[CodeType, int], ...]:
-    """The innermost caller outside deepshard.comm, and the first one outside deepshard."""
+    """The innermost caller outside deepshard.comm, and the first one that is the user's own
+    (outside deepshard and torch: a ZeRO hook runs under autograd's frames)."""
     frame: FrameType | None = sys._getframe(2)
     sites: list[tuple[CodeType, int]] = []
-    for _ in range(40):  # a bounded walk: deep stacks cost nothing extra
+    for _ in range(60):  # a bounded walk
         if frame is None:
             break
         module = frame.f_globals.get("__name__", "")
         if not module.startswith("deepshard.comm"):
             if not sites:
                 sites.append((frame.f_code, frame.f_lineno))
-            if not module.startswith("deepshard."):
+            if not module.startswith(_NOT_USER_CODE):
                 if sites[0][0] is not frame.f_code:
                     sites.append((frame.f_code, frame.f_lineno))
                 break

@@ -1,4 +1,5 @@
-"""Process groups, the named device mesh, collectives with async handles and a comms logger.
+"""Process groups, the named device mesh, collectives with async handles, a comms logger and a
+comms watchdog.
 
 ``init_distributed()`` joins the world from the launcher's environment; ``build_mesh(topology)``
 creates the mesh whose named axes (``pp, dp, ep, sp, tp``) every other package receives, and
@@ -22,14 +23,17 @@ from deepshard.comm.collectives import (
 from deepshard.comm.logger import CommRecord, CommsLogger, CommTiming
 from deepshard.comm.mesh import build_mesh
 from deepshard.comm.parallel_dims import ParallelDims
+from deepshard.comm.watchdog import CommWatchdog, WatchedCall
 
 __all__ = [
     "CommHandle",
     "CommRecord",
     "CommTiming",
+    "CommWatchdog",
     "CommsLogger",
     "DistInfo",
     "ParallelDims",
+    "WatchedCall",
     "all_gather_into_tensor",
     "all_reduce",
     "all_to_all_single",

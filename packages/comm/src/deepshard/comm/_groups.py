@@ -42,12 +42,21 @@ _OPS: dict[str, dist.ReduceOp.RedOpType] = {
 _NATIVE_AVG_BACKENDS = frozenset({"nccl", "xccl"})
 
 
-def resolve_group(group: Group) -> dist.ProcessGroup:
-    """The process group behind `group`.
+def resolve_group(group: Group | None) -> dist.ProcessGroup:
+    """The process group behind `group`; the default (world) group for `None`.
 
     Raises:
-        CommError: If `group` is a mesh with more than one axis or not a group at all.
+        CommError: If `group` is a mesh with more than one axis or not a group at all, or is
+            `None` before the default group exists.
     """
+    if group is None:
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if not isinstance(world, dist.ProcessGroup):
+            raise CommError(
+                "group=None means the default process group, which does not exist yet; call "
+                "deepshard.comm.init_distributed() first, or pass group= explicitly."
+            )
+        return world
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             names = group.mesh_dim_names or ()

@@ -32,9 +32,10 @@ class CommHandle(Generic[T]):
         on_complete: Run once, right after the backend completes (also for sync calls, where it
             runs before the handle is returned). If it raises, the error propagates and the
             handle stays pending: the next `wait()` runs it again.
+        waiter: Waits for `work` instead of `work.wait()` (the comms watchdog's bounded wait).
     """
 
-    __slots__ = ("_done", "_on_complete", "_output", "_work")
+    __slots__ = ("_done", "_on_complete", "_output", "_waiter", "_work")
 
     def __init__(
         self,
@@ -42,9 +43,11 @@ class CommHandle(Generic[T]):
         *,
         work: dist.Work | None = None,
         on_complete: Callable[[], None] | None = None,
+        waiter: Callable[[dist.Work], None] | None = None,
     ) -> None:
         self._output = output
         self._work = work
+        self._waiter = waiter
         self._on_complete = on_complete
         self._done = False
         if work is None:
@@ -59,7 +62,10 @@ class CommHandle(Generic[T]):
         """
         if not self._done:
             if self._work is not None:
-                self._work.wait()
+                if self._waiter is not None:
+                    self._waiter(self._work)
+                else:
+                    self._work.wait()
             self._complete()
         return self._output
 

@@ -1,4 +1,5 @@
-"""Launching one collective: the logger's clock, the backend call, and the handle around it."""
+"""Launching one collective: the logger's clock, the watchdog's record, the backend call, and
+the handle around it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch.distributed as dist
 
 from deepshard.comm._groups import check_avg_dtype, has_native_avg
 from deepshard.comm._handles import CommHandle
-from deepshard.comm.logger import CommsLogger
+from deepshard.comm.logger import CommsLogger, CommTiming
+from deepshard.comm.watchdog import CommWatchdog
 from deepshard.interface.errors import CommError
 
 __all__ = ["flat_view", "issue", "plan_reduction"]
@@ -29,11 +31,16 @@ def issue(
     logger: CommsLogger | None,
     log_name: str | None,
     after: Callable[[], None] | None = None,
+    input: torch.Tensor | None = None,
+    watchdog: CommWatchdog | None = None,
 ) -> CommHandle[torch.Tensor | None]:
     """Time (if logged), launch, and wrap one collective in a handle.
 
     The logger's clock stops when the backend completes the call (an async call's future), not
     when the caller gets round to `wait()`, and before the follow-up step `after` runs.
+
+    With a watchdog (`watchdog`, else the logger's), the call is recorded with its `input`
+    and always launched async, so that every wait, sync or not, is bounded by the watchdog.
     """
     timing = None
     if logger is not None:
@@ -45,11 +52,36 @@ def issue(
             device=device,
             group_rank=pg.rank(),
         )
-    work = launch(async_op)
+    if watchdog is None and logger is not None:
+        watchdog = logger.watchdog
+    call = None if watchdog is None else watchdog.begin(op_name, pg, input)
+    work = launch(async_op or call is not None)
     done_at = None
     if timing is not None and async_op and work is not None:
         assert logger is not None
         done_at = _completion_time(work, logger.clock, device)
+    on_complete = _follow_up(logger, timing, done_at, after)
+    if watchdog is None or call is None:
+        return CommHandle(output, work=work if async_op else None, on_complete=on_complete)
+    if work is None:  # nothing was launched (not a member): nothing to wait for
+        call.done = True
+        return CommHandle(output, on_complete=on_complete)
+    if not async_op:
+        watchdog.wait(work, call)
+        return CommHandle(output, on_complete=on_complete)
+    dog = watchdog
+    return CommHandle(
+        output, work=work, on_complete=on_complete, waiter=lambda w: dog.wait(w, call)
+    )
+
+
+def _follow_up(
+    logger: CommsLogger | None,
+    timing: CommTiming | None,
+    done_at: torch.futures.Future[float] | None,
+    after: Callable[[], None] | None,
+) -> Callable[[], None]:
+    """What runs once the backend is done: stop the logger's clock, then `after`."""
 
     def on_complete() -> None:
         if timing is not None:
@@ -58,7 +90,7 @@ def issue(
         if after is not None:
             after()
 
-    return CommHandle(output, work=work if async_op else None, on_complete=on_complete)
+    return on_complete
 
 
 def _completion_time(

@@ -1,8 +1,10 @@
 """Collectives as pure functions of (tensors, group), each returning a `CommHandle`.
 
 Every function takes its group keyword-only: a `ProcessGroup`, or a 1-D `DeviceMesh` such as
-`mesh["tp"]`. All ranks of the group must call the same function with matching shapes, like any
-`torch.distributed` collective, which these wrap (nothing is re-implemented). What DeepShard adds:
+`mesh["tp"]`; without one it runs on the default (world) group, as `torch.distributed` and
+`deepspeed.comm` do (DeepShard's own packages always pass their group). All ranks of the group
+must call the same function with matching shapes, like any `torch.distributed` collective,
+which these wrap (nothing is re-implemented). What DeepShard adds:
 
 * one handle type for sync and async calls; `wait()` may be repeated and returns the output;
 * reduction ops by name (`"sum"`, `"avg"`, `"max"`, `"min"`, `"product"`) or `ReduceOp`;
@@ -10,7 +12,9 @@ Every function takes its group keyword-only: a `ProcessGroup`, or a 1-D `DeviceM
   other backends (older gloo has no AVG), so the result is the same everywhere;
 * optional outputs, allocated with the shape the collective implies;
 * checks with actionable errors (`CommError`) before anything reaches the backend;
-* per-call logging through an optional `deepshard.comm.logger.CommsLogger`.
+* per-call logging through an optional `deepshard.comm.logger.CommsLogger`;
+* a bounded wait that names the ranks a hung collective waits for, through an optional
+  `deepshard.comm.watchdog.CommWatchdog` (passed directly or carried by the logger).
 
 Ranks such as `group_src` are ranks *within the group*, not global ranks.
 """
@@ -34,6 +38,7 @@ from deepshard.comm._handles import CommHandle
 from deepshard.comm._issue import flat_view, issue, plan_reduction
 from deepshard.comm._splits import a2a_output_rows, check_split_sizes
 from deepshard.comm.logger import CommsLogger
+from deepshard.comm.watchdog import CommWatchdog
 from deepshard.interface.errors import CommError
 
 __all__ = [
@@ -53,21 +58,23 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def all_reduce(
     tensor: torch.Tensor,
     *,
-    group: Group,
+    group: Group | None = None,
     op: ReduceOpLike = "sum",
     async_op: bool = False,
     logger: CommsLogger | None = None,
     log_name: str | None = None,
+    watchdog: CommWatchdog | None = None,
 ) -> CommHandle[torch.Tensor]:
     """Reduce `tensor` over the group, in place.
 
     Args:
         tensor: Input and output; read it only after `wait()`.
-        group: A ProcessGroup or a 1-D DeviceMesh.
+        group: A ProcessGroup or a 1-D DeviceMesh; the default (world) group when `None`.
         op: `"sum"`, `"avg"`, `"max"`, `"min"`, `"product"` or a `ReduceOp`.
         async_op: Return before completion; `wait()` on the handle completes the call.
         logger: Records the call when given and enabled.
         log_name: Name in the logger; the op's name (`"all_reduce"`) when `None`.
+        watchdog: Bounds the wait and reports a hang; the logger's watchdog when `None`.
 
     Returns:
         A handle whose `wait()` returns `tensor`.
@@ -87,6 +94,8 @@ def all_reduce(
         async_op=async_op,
         logger=logger,
         log_name=log_name,
+        input=tensor,
+        watchdog=watchdog,
         after=after,
     )
     return handle  # type: ignore[return-value]
@@ -95,23 +104,25 @@ def all_reduce(
 def all_gather_into_tensor(
     input: torch.Tensor,
     *,
-    group: Group,
+    group: Group | None = None,
     output: torch.Tensor | None = None,
     async_op: bool = False,
     logger: CommsLogger | None = None,
     log_name: str | None = None,
+    watchdog: CommWatchdog | None = None,
 ) -> CommHandle[torch.Tensor]:
     """Concatenate every rank's `input` along dim 0, in group-rank order.
 
     Args:
         input: This rank's shard; the same shape on every rank.
-        group: A ProcessGroup or a 1-D DeviceMesh.
+        group: A ProcessGroup or a 1-D DeviceMesh; the default (world) group when `None`.
         output: Where to gather: shape `(size * input.shape[0], *input.shape[1:])`
             (concatenated, allocated when `None`) or `(size, *input.shape)` (stacked); `(size,)`
             for a 0-d input.
         async_op: Return before completion.
         logger: Records the call (bytes = the full gathered output, as nccl-tests counts).
         log_name: Name in the logger; `"all_gather_into_tensor"` when `None`.
+        watchdog: Bounds the wait and reports a hang; the logger's watchdog when `None`.
 
     Returns:
         A handle whose `wait()` returns the gathered tensor.
@@ -144,6 +155,8 @@ def all_gather_into_tensor(
         async_op=async_op,
         logger=logger,
         log_name=log_name,
+        input=input,
+        watchdog=watchdog,
     )
     return handle  # type: ignore[return-value]
 
@@ -151,24 +164,26 @@ def all_gather_into_tensor(
 def reduce_scatter_tensor(
     input: torch.Tensor,
     *,
-    group: Group,
+    group: Group | None = None,
     op: ReduceOpLike = "sum",
     output: torch.Tensor | None = None,
     async_op: bool = False,
     logger: CommsLogger | None = None,
     log_name: str | None = None,
+    watchdog: CommWatchdog | None = None,
 ) -> CommHandle[torch.Tensor]:
     """Reduce `input` over the group and give group rank `r` its `r`-th chunk along dim 0.
 
     Args:
         input: The full tensor on every rank; `input.shape[0]` must divide by the group size.
-        group: A ProcessGroup or a 1-D DeviceMesh.
+        group: A ProcessGroup or a 1-D DeviceMesh; the default (world) group when `None`.
         op: `"sum"`, `"avg"`, `"max"`, `"min"`, `"product"` or a `ReduceOp`.
         output: Where this rank's chunk goes, shape `(input.shape[0] // size, *input.shape[1:])`;
             allocated when `None`.
         async_op: Return before completion.
         logger: Records the call (bytes = the full input, as nccl-tests counts).
         log_name: Name in the logger; `"reduce_scatter_tensor"` when `None`.
+        watchdog: Bounds the wait and reports a hang; the logger's watchdog when `None`.
 
     Returns:
         A handle whose `wait()` returns this rank's reduced chunk.
@@ -201,6 +216,8 @@ def reduce_scatter_tensor(
         async_op=async_op,
         logger=logger,
         log_name=log_name,
+        input=input,
+        watchdog=watchdog,
         after=after,
     )
     return handle  # type: ignore[return-value]
@@ -209,13 +226,14 @@ def reduce_scatter_tensor(
 def all_to_all_single(
     input: torch.Tensor,
     *,
-    group: Group,
+    group: Group | None = None,
     output_split_sizes: Sequence[int] | None = None,
     input_split_sizes: Sequence[int] | None = None,
     output: torch.Tensor | None = None,
     async_op: bool = False,
     logger: CommsLogger | None = None,
     log_name: str | None = None,
+    watchdog: CommWatchdog | None = None,
 ) -> CommHandle[torch.Tensor]:
     """Send rows of `input` to every rank and receive theirs, along dim 0.
 
@@ -225,7 +243,7 @@ def all_to_all_single(
 
     Args:
         input: Rows to send.
-        group: A ProcessGroup or a 1-D DeviceMesh.
+        group: A ProcessGroup or a 1-D DeviceMesh; the default (world) group when `None`.
         output_split_sizes: Rows this rank receives from each group rank.
         input_split_sizes: Rows this rank sends to each group rank.
         output: Where to receive; allocated when `None` (then uneven splits need
@@ -233,6 +251,7 @@ def all_to_all_single(
         async_op: Return before completion.
         logger: Records the call (bytes = this rank's input).
         log_name: Name in the logger; `"all_to_all_single"` when `None`.
+        watchdog: Bounds the wait and reports a hang; the logger's watchdog when `None`.
 
     Returns:
         A handle whose `wait()` returns the received tensor.
@@ -261,6 +280,8 @@ def all_to_all_single(
         async_op=async_op,
         logger=logger,
         log_name=log_name,
+        input=input,
+        watchdog=watchdog,
     )
     return handle  # type: ignore[return-value]
 
@@ -269,20 +290,22 @@ def broadcast(
     tensor: torch.Tensor,
     *,
     group_src: int,
-    group: Group,
+    group: Group | None = None,
     async_op: bool = False,
     logger: CommsLogger | None = None,
     log_name: str | None = None,
+    watchdog: CommWatchdog | None = None,
 ) -> CommHandle[torch.Tensor]:
     """Copy `tensor` from group rank `group_src` to every rank of the group, in place.
 
     Args:
         tensor: Source on `group_src`, destination elsewhere (same shape and dtype everywhere).
         group_src: The sending rank's index *within the group* (not its global rank).
-        group: A ProcessGroup or a 1-D DeviceMesh.
+        group: A ProcessGroup or a 1-D DeviceMesh; the default (world) group when `None`.
         async_op: Return before completion.
         logger: Records the call.
         log_name: Name in the logger; `"broadcast"` when `None`.
+        watchdog: Bounds the wait and reports a hang; the logger's watchdog when `None`.
 
     Returns:
         A handle whose `wait()` returns `tensor`.
@@ -307,27 +330,31 @@ def broadcast(
         async_op=async_op,
         logger=logger,
         log_name=log_name,
+        input=tensor,
+        watchdog=watchdog,
     )
     return handle  # type: ignore[return-value]
 
 
 def barrier(
     *,
-    group: Group,
+    group: Group | None = None,
     device_ids: Sequence[int] | None = None,
     async_op: bool = False,
     logger: CommsLogger | None = None,
     log_name: str | None = None,
+    watchdog: CommWatchdog | None = None,
 ) -> CommHandle[None]:
     """Block until every rank of the group has reached the barrier.
 
     Args:
-        group: A ProcessGroup or a 1-D DeviceMesh.
+        group: A ProcessGroup or a 1-D DeviceMesh; the default (world) group when `None`.
         device_ids: Devices the barrier runs on; forwarded to nccl, which takes them, and dropped
             for other backends (gloo), which have no such notion.
         async_op: Return before completion.
         logger: Records the call (0 bytes).
         log_name: Name in the logger; `"barrier"` when `None`.
+        watchdog: Bounds the wait and reports a hang; the logger's watchdog when `None`.
 
     Returns:
         A handle whose `wait()` returns `None`.
@@ -344,5 +371,7 @@ def barrier(
         async_op=async_op,
         logger=logger,
         log_name=log_name,
+        input=None,
+        watchdog=watchdog,
     )
     return handle  # type: ignore[return-value]

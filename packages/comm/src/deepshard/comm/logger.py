@@ -28,6 +28,7 @@ import torch
 
 from deepshard.comm._bandwidth import bandwidth
 from deepshard.comm._summary import CallStats, format_bytes, format_table
+from deepshard.comm.watchdog import CommWatchdog
 from deepshard.interface.config.comms_logger import CommsLoggerConfig
 from deepshard.interface.errors import ConfigError
 
@@ -102,6 +103,8 @@ class CommsLogger:
         stream: Where verbose lines go; `sys.stdout` (at print time) when `None`.
         max_records: Most recent per-call records kept in `records`. The summary counts
             every call regardless.
+        watchdog: A comms watchdog for every collective this logger is passed to (code that
+            threads a logger, such as ZeRO, gets the watchdog with it), enabled or not.
 
     Raises:
         ConfigError: If `max_records` is not positive.
@@ -116,6 +119,7 @@ class CommsLogger:
         rank: int | None = None,
         stream: TextIO | None = None,
         max_records: int = 100_000,
+        watchdog: CommWatchdog | None = None,
     ) -> None:
         if max_records < 1:
             raise ConfigError(f"CommsLogger max_records must be >= 1, got {max_records}.")
@@ -126,6 +130,12 @@ class CommsLogger:
         self._stream = stream
         self._records: deque[CommRecord] = deque(maxlen=max_records)
         self._stats: dict[tuple[str, str, int, int], CallStats] = {}
+        self._watchdog = watchdog
+
+    @property
+    def watchdog(self) -> CommWatchdog | None:
+        """The comms watchdog the collectives use when they get this logger and no watchdog."""
+        return self._watchdog
 
     @property
     def config(self) -> CommsLoggerConfig:

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
 from deepshard.accelerators import get_accelerator
-from deepshard.comm import CommsLogger, ParallelDims
+from deepshard.comm import CommsLogger, CommWatchdog, ParallelDims
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._arguments import (
     ConfigSource,
@@ -53,6 +53,7 @@ from deepshard.engine.loss_scaler import build_loss_scaler
 from deepshard.interface import BatchSizes, DeepShardConfig
 from deepshard.interface.config import CommsLoggerConfig
 from deepshard.interface.errors import ConfigError
+from deepshard.interface.watchdog import resolve_watchdog_s
 from deepshard.profiler import WallClockTimers
 from deepshard.zero import ZeroOptimizer
 
@@ -100,10 +101,16 @@ def _timed(config: DeepShardConfig) -> bool:
 
 
 def _comms_logger(config: DeepShardConfig, rank: int) -> CommsLogger | None:
+    # ZeRO threads this logger through every collective it issues, so it also carries the
+    # comms watchdog (a disabled logger records nothing and costs nothing).
+    seconds = resolve_watchdog_s(config.comms_watchdog_s, os.environ)
+    watchdog = None if seconds is None else CommWatchdog(seconds)
     if config.comms_logger.enabled:
-        return CommsLogger(config.comms_logger, rank=rank)
+        return CommsLogger(config.comms_logger, rank=rank, watchdog=watchdog)
     if _timed(config):  # a logger nobody prints: the timers read the step's reductions from it
-        return CommsLogger(CommsLoggerConfig(enabled=True), rank=rank)
+        return CommsLogger(CommsLoggerConfig(enabled=True), rank=rank, watchdog=watchdog)
+    if watchdog is not None:
+        return CommsLogger(CommsLoggerConfig(enabled=False), rank=rank, watchdog=watchdog)
     return None
 
 

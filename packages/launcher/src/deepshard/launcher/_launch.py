@@ -18,6 +18,7 @@ from deepshard.launcher._ranks import check_script, prepare_log_files
 from deepshard.launcher._report import REPORT_MARK, describe_outcome
 from deepshard.launcher._specs import ProcessSpec
 from deepshard.launcher._supervisor import supervise
+from deepshard.launcher._watchdog_notice import watchdog_notice
 from deepshard.launcher._world import WorldLayout
 
 __all__ = ["describe_plan", "launch"]
@@ -87,6 +88,7 @@ def _attempt(
     # A node's own entry already reported which of its ranks failed; do not repeat its lines.
     repeated = any(line.startswith(REPORT_MARK) for line in outcome.tail)
     _report(describe_outcome(outcome, show_tail=not repeated), err)
+    _report(watchdog_notice(outcome.tail), err)
     return outcome.exit_code, outcome.received_signal is None and outcome.exit_code != 0
 
 

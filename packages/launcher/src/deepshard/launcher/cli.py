@@ -32,6 +32,11 @@ TORCH, DEEPSHARD and OMP_, VIRTUAL_ENV, and the KEY=VALUE lines of ~/.deepshard_
 ./.deepshard_env. Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, LOCAL_SIZE,
 CROSS_RANK, CROSS_SIZE, MASTER_ADDR, MASTER_PORT, DEEPSHARD_RESTART_COUNT and, on GPU nodes,
 CUDA_VISIBLE_DEVICES narrowed to its node's slots.
+
+hangs: DEEPSHARD_TIMEOUT (minutes, default 10) is the process-group timeout.
+DEEPSHARD_WATCHDOG_S (seconds, default 120, 0 = off; config key comms_watchdog_s) bounds one
+collective's wait: the waiting rank then reports which ranks have not arrived (op, shape, call
+site) and fails, and ds-launch names those ranks.
 """
 
 

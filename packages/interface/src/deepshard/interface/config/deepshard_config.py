@@ -95,6 +95,13 @@ class DeepShardConfig(TopLevelSettings):
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """Per-collective communication logging."""
 
+    comms_watchdog_s: float | None = Field(default=None, ge=0)
+    """Seconds a rank may wait in one collective before it reports which ranks have not
+    arrived (op, shape, call site) and fails with `CommError`, instead of waiting out the
+    process-group timeout (`DEEPSHARD_TIMEOUT`, 10 minutes). None: the `DEEPSHARD_WATCHDOG_S`
+    environment variable, else 120; 0 turns the watchdog off. A DeepShard key (DeepSpeed has
+    no watchdog); set it above the longest legitimate wait, e.g. one rank's evaluation."""
+
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """FLOPs and latency profile of one step."""
 

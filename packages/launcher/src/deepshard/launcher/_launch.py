@@ -88,7 +88,9 @@ def _attempt(
     # A node's own entry already reported which of its ranks failed; do not repeat its lines.
     repeated = any(line.startswith(REPORT_MARK) for line in outcome.tail)
     _report(describe_outcome(outcome, show_tail=not repeated), err)
-    _report(watchdog_notice(outcome.tail), err)
+    # A hang report reaches us in the rank's output, or (relayed ranks) in its error file.
+    reported = [line for _, error in outcome.errors for line in error.message.splitlines()]
+    _report(watchdog_notice([*outcome.tail, *reported]), err)
     return outcome.exit_code, outcome.received_signal is None and outcome.exit_code != 0
 
 

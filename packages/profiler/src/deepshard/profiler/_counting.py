@@ -17,6 +17,19 @@ How an operator finds its module:
   the forward. Forward hooks firing inside backward (activation recomputation) do not touch the
   stack: that work is the backward's.
 
+What keeps it cheap (every aten operator of a step passes through the mode, a Python call each):
+
+* Counts go to one accumulator per distinct *stack* (a Llama has a few dozen), which the hooks
+  look up when the stack changes; an operator adds to that one accumulator, and the totals of
+  each module (the sum over the stacks it is on) are formed only when the numbers are read.
+  Integer sums in another order are the same sums, so the numbers are exactly those of adding
+  to every module on the stack.
+* The formula and report name of each ``OpOverload`` are resolved once; an operator without a
+  formula (views, copies, ``detach``, factories...) costs one dictionary lookup.
+* Counting the forward only, the mode is on the dispatch stack only while a module's forward
+  runs (pushed when the stack becomes non-empty, popped when it empties): operators outside
+  the model, the backward among them, then run at full speed — nothing there would count.
+
 Nothing global is modified: the mode is pushed on the thread's mode stack and popped, the
 hooks are removed by handle, and no attribute is set on a module or tensor.
 """
@@ -37,7 +50,8 @@ from deepshard.profiler._formulas import Formula, formula_for, op_name
 
 __all__ = ["ModuleTally", "Recorder"]
 
-_UNSEEN = object()
+Stack = tuple[int, ...]
+"""``id``s of the modules whose forward is running, outermost first, each once."""
 
 
 @dataclass
@@ -58,31 +72,52 @@ class ModuleTally:
     """Forward calls."""
 
 
+@dataclass(frozen=True)
+class _Counted:
+    """How one ``OpOverload`` is counted, resolved at its first call."""
+
+    formula: Formula
+    name: str
+    """The operator name it is reported under (``add`` for ``add_.Tensor``)."""
+
+
 @dataclass
 class _Frame:
     module_id: int
     start_s: float
-    outer_stack: tuple[int, ...]
+    outer_stack: Stack
 
 
 @dataclass
 class _Segments:
-    """Autograd sequence numbers at which the module stack changed, and the stack from there."""
+    """Autograd sequence numbers at which the module stack changed, and the backward
+    accumulator (``[flops, macs]``) of the stack from there (None: nothing counts)."""
 
     starts: list[int] = field(default_factory=list)
-    stacks: list[tuple[int, ...]] = field(default_factory=list)
+    counters: list[list[int] | None] = field(default_factory=list)
 
-    def mark(self, stack: tuple[int, ...]) -> None:
+    def mark(self, counter: list[int] | None) -> None:
         seq = torch._C._autograd._get_sequence_nr()
         if self.starts and self.starts[-1] == seq:
-            self.stacks[-1] = stack  # no node was recorded under the previous stack
+            self.counters[-1] = counter  # no node was recorded under the previous stack
         else:
             self.starts.append(seq)
-            self.stacks.append(stack)
+            self.counters.append(counter)
 
-    def stack_of(self, seq: int) -> tuple[int, ...]:
+    def counter_of(self, seq: int) -> list[int] | None:
         index = bisect.bisect_right(self.starts, seq) - 1
-        return self.stacks[index] if index >= 0 else ()
+        return self.counters[index] if index >= 0 else None
+
+
+@dataclass
+class _Counts:
+    """``[flops, macs]`` accumulators per stack, forward and backward, and per operator."""
+
+    forward: dict[Stack, list[int]] = field(default_factory=dict)
+    backward: dict[Stack, list[int]] = field(default_factory=dict)
+    ops: dict[str, list[int]] = field(default_factory=dict)
+    """``[forward FLOPs, backward FLOPs]`` per operator name (only operators that counted)."""
+    segments: _Segments = field(default_factory=_Segments)
 
 
 class Recorder:
@@ -107,64 +142,124 @@ class Recorder:
     ) -> None:
         self.model = model
         self.count_backward = count_backward
-        self.tallies: dict[int, ModuleTally] = {}
-        self.ops: dict[str, list[int]] = {}
         self._ignore_types = ignore_types
         self._synchronize = synchronize
         self._clock = clock
-        self._stack: tuple[int, ...] = ()
+        self._timings: dict[int, ModuleTally] = {}  # calls and duration only
+        self._counts = _Counts()
+        self._stack: Stack = ()
+        self._current: list[int] | None = None  # forward accumulator; None: nothing counts
         self._frames: list[_Frame] = []
         self._ignoring = 0
-        self._segments = _Segments()
         self._handles: list[RemovableHandle] = []
-        self._mode: _CountingMode | None = None
+        self._mode = _CountingMode(self)
+        self._mode_on = False
+        self._installed = False
 
     # --- install / remove -------------------------------------------------------------------
 
     def install(self) -> None:
-        """Register the hooks on every module and push the counting mode."""
+        """Register the hooks on every module (and, counting backward, push the mode)."""
+        # The hooks are bookkeeping that must run as written (they push the mode, read clocks):
+        # a compiled model graph-breaks around them rather than tracing them.
+        enter, leave = _eager(self._enter), _eager(self._leave)
+        enter_ignored, leave_ignored = _eager(self._enter_ignored), _eager(self._leave_ignored)
         for module in self.model.modules():
-            self.tallies.setdefault(id(module), ModuleTally())
+            self._timings.setdefault(id(module), ModuleTally())
             ignored = isinstance(module, self._ignore_types)
-            pre = self._enter_ignored if ignored else self._enter
-            post = self._leave_ignored if ignored else self._leave
+            pre = enter_ignored if ignored else enter
+            post = leave_ignored if ignored else leave
             self._handles.append(module.register_forward_pre_hook(pre))
             self._handles.append(module.register_forward_hook(post, always_call=True))
-        self._mode = _CountingMode(self)
-        self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self._installed = True
+        if self.count_backward:
+            self._push_mode()
 
     def remove(self) -> None:
         """Pop the mode and remove every hook (the tallies are kept)."""
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-            self._mode = None
+        self._pop_mode()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._stack, self._frames, self._ignoring = (), [], 0
+        self._stack, self._frames, self._ignoring, self._current = (), [], 0, None
+        self._installed = False
 
     @property
     def installed(self) -> bool:
         """Whether counting is on."""
-        return self._mode is not None
+        return self._installed
 
     def reset(self) -> None:
         """Zero every tally (hooks and mode stay as they are)."""
-        self.tallies = {mid: ModuleTally() for mid in self.tallies}
-        self.ops = {}
-        self._segments = _Segments()
+        self._timings = {mid: ModuleTally() for mid in self._timings}
+        self._counts = _Counts()
+        self._current = self._forward_counter()
+
+    def _push_mode(self) -> None:
+        if not self._mode_on:
+            self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+            self._mode_on = True
+
+    def _pop_mode(self) -> None:
+        if self._mode_on:
+            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self._mode_on = False
+
+    # --- numbers ----------------------------------------------------------------------------
+
+    @property
+    def tallies(self) -> dict[int, ModuleTally]:
+        """Per module object (by ``id``): its calls, duration and the sums of its stacks."""
+        tallies = {
+            mid: ModuleTally(duration_s=t.duration_s, calls=t.calls)
+            for mid, t in self._timings.items()
+        }
+        for stack, (flops, macs) in self._counts.forward.items():
+            for mid in stack:
+                tallies[mid].flops += flops
+                tallies[mid].macs += macs
+        for stack, (flops, macs) in self._counts.backward.items():
+            for mid in stack:
+                tallies[mid].backward_flops += flops
+                tallies[mid].backward_macs += macs
+        return tallies
+
+    @property
+    def ops(self) -> dict[str, list[int]]:
+        """``[forward FLOPs, backward FLOPs]`` per operator name that counted any."""
+        return self._counts.ops
 
     # --- hooks ----------------------------------------------------------------------------
+
+    def _forward_counter(self) -> list[int] | None:
+        if self._ignoring or not self._stack:
+            return None
+        return self._counts.forward.setdefault(self._stack, [0, 0])
+
+    def _set_stack(self, stack: Stack) -> None:
+        """Make ``stack`` current: its accumulators, a segment, the mode when forward-only."""
+        self._stack = stack
+        if self._ignoring == 0:
+            self._current = self._forward_counter()
+            self._mark(stack)
+        if not self.count_backward:
+            if stack:
+                self._push_mode()
+            else:
+                self._pop_mode()
+
+    def _mark(self, stack: Stack) -> None:
+        """Start a segment for ``stack`` (empty: nothing counts); only backward reads them."""
+        if self.count_backward:
+            backward = self._counts.backward.setdefault(stack, [0, 0]) if stack else None
+            self._counts.segments.mark(backward)
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         if torch._C._current_autograd_node() is not None:
             return  # recomputation inside backward: the backward's work
         mid = id(module)
         outer = self._stack
-        if mid not in outer:
-            self._stack = (*outer, mid)
-        if self._ignoring == 0:
-            self._segments.mark(self._stack)
+        self._set_stack(outer if mid in outer else (*outer, mid))
         self._synchronize()
         self._frames.append(_Frame(mid, self._clock(), outer))
 
@@ -174,52 +269,49 @@ class Recorder:
         self._synchronize()
         end = self._clock()
         frame = self._frames.pop()
-        tally = self.tallies[frame.module_id]
-        tally.calls += 1
+        timing = self._timings[frame.module_id]
+        timing.calls += 1
         if frame.module_id not in frame.outer_stack:  # not nested in a call of itself
-            tally.duration_s += end - frame.start_s
-        self._stack = frame.outer_stack
-        if self._ignoring == 0:
-            self._segments.mark(self._stack)
+            timing.duration_s += end - frame.start_s
+        self._set_stack(frame.outer_stack)
 
     def _enter_ignored(self, module: torch.nn.Module, args: Any) -> None:
         if torch._C._current_autograd_node() is None:
             self._ignoring += 1
-            self._segments.mark(())
+            self._current = None
+            self._mark(())
 
     def _leave_ignored(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch._C._current_autograd_node() is None and self._ignoring > 0:
             self._ignoring -= 1
-            self._segments.mark(self._stack if self._ignoring == 0 else ())
+            if self._ignoring == 0:
+                self._set_stack(self._stack)
+            else:
+                self._mark(())
 
     # --- counting -------------------------------------------------------------------------
 
-    def count(self, func: Any, formula: Formula, args: Any, kwargs: Any, out: Any) -> None:
-        """Attribute one operator call to the modules it ran in."""
-        node = torch._C._current_autograd_node()
-        backward = node is not None
-        if backward:
-            if not self.count_backward:
-                return
-            stack = self._segments.stack_of(node._sequence_nr())
+    def count(self, counted: _Counted, args: Any, kwargs: Any, out: Any) -> None:
+        """Attribute one operator call to the stack it ran under."""
+        # None outside backward (torch's stub says it always returns a node).
+        node: torch.autograd.graph.Node | None = torch._C._current_autograd_node()
+        if node is None:
+            counter = self._current
+        elif self.count_backward:
+            counter = self._counts.segments.counter_of(node._sequence_nr())
         else:
-            stack = () if self._ignoring else self._stack
-        if not stack:
             return
-        flops, macs = formula(args, kwargs, out)
+        if counter is None:
+            return
+        flops, macs = counted.formula(args, kwargs, out)
         if flops == 0 and macs == 0:
             return
-        tallies = self.tallies
-        for mid in stack:
-            tally = tallies[mid]
-            if backward:
-                tally.backward_flops += flops
-                tally.backward_macs += macs
-            else:
-                tally.flops += flops
-                tally.macs += macs
-        per_op = self.ops.setdefault(op_name(func), [0, 0])
-        per_op[1 if backward else 0] += flops
+        counter[0] += flops
+        counter[1] += macs
+        per_op = self._counts.ops.get(counted.name)
+        if per_op is None:
+            per_op = self._counts.ops[counted.name] = [0, 0]
+        per_op[node is not None] += flops
 
 
 class _CountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -227,8 +319,10 @@ class _CountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._recorder = recorder
-        self._formulas: dict[Any, Any] = {}
+        self._count = recorder.count
+        # By `id`: an `OpOverload` hashes in Python, a lookup per operator would cost a call.
+        # The overload is kept in the value, so its `id` is not reused while it is a key.
+        self._counted: dict[int, tuple[Any, _Counted | None]] = {}
 
     def __torch_dispatch__(
         self,
@@ -239,9 +333,20 @@ class _CountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = self._formulas.get(func, _UNSEEN)
-        if formula is _UNSEEN:
-            formula = self._formulas[func] = formula_for(func)
-        if formula is not None:
-            self._recorder.count(func, formula, args, kwargs, out)
+        entry = self._counted.get(id(func))
+        if entry is None:
+            entry = self._counted[id(func)] = (func, _resolve(func))
+        if entry[1] is not None:
+            self._count(entry[1], args, kwargs, out)
         return out
+
+
+def _eager(hook: Callable[..., None]) -> Callable[..., None]:
+    """``hook`` run eagerly even inside a compiled model (``torch.compiler.disable``)."""
+    eager: Callable[..., None] = torch.compiler.disable(hook)  # type: ignore[no-untyped-call]
+    return eager
+
+
+def _resolve(func: Any) -> _Counted | None:
+    formula = formula_for(func)
+    return None if formula is None else _Counted(formula, op_name(func))

@@ -20,30 +20,15 @@ bf16, and 1 and 2 accumulation steps.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deepshard.testing import run_on_mesh
+from deepshard.testing import import_beside, run_on_mesh
 
-
-def _load() -> Any:
-    """``tests/_models.py``, imported by path (importlib mode keeps tests/ off sys.path)."""
-    key = "_deepshard_engine_tests_models"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name("_models.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_models = _load()
+_models = import_beside(__file__, "_models.py")
 WORLD = 4
 STEPS = 3
 CASES = list(itertools.product((0, 1, 2), ("fp32", "bf16"), (1, 2)))

@@ -13,29 +13,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from deepshard.testing import run_on_mesh
+from deepshard.testing import import_beside, run_on_mesh
 
-
-def _load() -> Any:
-    """``tests/_models.py``, imported by path (importlib mode keeps tests/ off sys.path)."""
-    key = "_deepshard_engine_tests_models"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name("_models.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_models = _load()
+_models = import_beside(__file__, "_models.py")
 GA = 4
 STAGES = (0, 1, 2)
 

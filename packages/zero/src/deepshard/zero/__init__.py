@@ -22,7 +22,7 @@ from deepshard.zero.layout import (
 )
 from deepshard.zero.norms import GradNorm, global_grad_norm, grad_overflow, scale_factor
 from deepshard.zero.optimizer import ParamShard, StepResult, ZeroOptimizer
-from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket
+from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket, torch_dtype
 
 __all__ = [
     "ALIGNMENT_BYTES",
@@ -48,4 +48,5 @@ __all__ = [
     "plan_gather_calls",
     "reduce_bucket",
     "scale_factor",
+    "torch_dtype",
 ]

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from deepshard.comm import CommsLogger
+from deepshard.comm import CommsLogger, Group, resolve_group
 from deepshard.interface import PlacementRegistry
 from deepshard.interface.config import ZeroConfig
 from deepshard.interface.errors import CommError, ConfigError
@@ -55,7 +55,6 @@ from deepshard.zero._gradients import (
     PartitionedGradients,
     StoreSettings,
 )
-from deepshard.zero._group import Group, resolve_group
 from deepshard.zero._optimizer_check import check_optimizer, master_view_numel
 from deepshard.zero._passes import BackwardPasses
 from deepshard.zero._placements import param_names, registration_positions, resolve_placements

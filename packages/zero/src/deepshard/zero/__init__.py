@@ -8,6 +8,7 @@ importable on its own and needs no process group.
 
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
+from deepshard.zero._settings import zero_problems
 from deepshard.zero.build import build_zero_optimizer
 from deepshard.zero.layout import (
     ALIGNMENT_BYTES,
@@ -49,4 +50,5 @@ __all__ = [
     "reduce_bucket",
     "scale_factor",
     "torch_dtype",
+    "zero_problems",
 ]

@@ -36,28 +36,14 @@ from deepshard.interface.errors import ConfigError
 
 __all__ = ["GradientReduction", "PendingReduction", "reduce_bucket", "torch_dtype"]
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def torch_dtype(name: str | None, *, key: str) -> torch.dtype | None:
-    """The torch dtype of a config dtype name (`deepshard.interface.config.DtypeName`).
-
-    The one map from names to torch dtypes (``communication_data_type``, ``grad_accum_dtype``,
-    and the engine's ``data_types.param_dtype`` and ``torch_autocast.dtype``).
-
-    Args:
-        name: ``"fp32"``, ``"fp16"`` or ``"bf16"``; ``None`` for "not set".
-        key: The config key the name came from, named in the error.
-
-    Returns:
-        The dtype, or ``None`` for ``None``.
+    """The torch dtype of a config dtype name (``None`` for ``None``); the one such map.
 
     Raises:
-        ConfigError: An unknown name.
+        ConfigError: An unknown name; the message names ``key``, the config key it came from.
     """
     if name is None:
         return None

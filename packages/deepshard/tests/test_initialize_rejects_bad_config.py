@@ -192,3 +192,25 @@ def test_a_config_that_is_not_a_mapping_is_refused(tmp_path: Path) -> None:
     missing = tmp_path / "missing.json"
     with pytest.raises(ds.ConfigError):
         ds.initialize(torch.nn.Linear(2, 2), missing)
+
+
+def test_zero_refusals_come_before_the_world_each_listed_once() -> None:
+    from deepshard.engine._checks import check_engine_config
+    from deepshard.interface import ConfigError, DeepShardConfig
+
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "allgather_partitions": False,
+        },
+    }
+    with pytest.raises(ConfigError) as caught:
+        check_engine_config(DeepShardConfig.from_dict(config))
+    keys = [path for path, _ in caught.value.problems]
+    # stage 3 and offload are refused by the feature table and by ZeRO: one line each
+    assert sorted(keys) == [
+        "zero_optimization.allgather_partitions",
+        "zero_optimization.offload_optimizer",
+        "zero_optimization.stage",
+    ]

@@ -14,7 +14,7 @@ from deepshard.interface import DeepShardConfig, Topology
 from deepshard.interface.config import ZeroConfig
 from deepshard.interface.errors import CommError, ConfigError
 from deepshard.testing import fake_mesh
-from deepshard.zero import ZERO_SAFE_ATTRIBUTE, ZeroOptimizer, build_zero_optimizer
+from deepshard.zero import ZERO_SAFE_ATTRIBUTE, ZeroOptimizer, build_zero_optimizer, torch_dtype
 
 WORLD, RANK = 4, 3
 
@@ -173,3 +173,32 @@ def test_step_before_a_boundary_backward_is_refused(group: Any) -> None:
         zero.step(lambda: 0.0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="param groups"):
         zero.add_param_group({"params": []})
+
+
+def test_every_refusal_is_listed_before_anything_is_built(group: Any) -> None:
+    model = _model()
+    untested = torch.optim.RMSprop(model.parameters(), lr=0.1)
+    config = ZeroConfig(stage=3, allgather_partitions=False)
+    with pytest.raises(ConfigError) as caught:
+        ZeroOptimizer(untested, group=group, config=config, gradient_clipping=-1.0)
+    keys = [key for key, _ in caught.value.problems]
+    assert keys == [
+        "zero_optimization.stage",
+        "gradient_clipping",
+        "zero_optimization.allgather_partitions",
+        "zero_allow_untested_optimizer",
+    ]
+    assert str(caught.value).startswith("4 problems in the DeepShard config")
+    # refused before the parameters were flattened or hooked
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_one_dtype_name_map() -> None:
+    assert [torch_dtype(n, key="k") for n in ("fp32", "fp16", "bf16", None)] == [
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        None,
+    ]
+    with pytest.raises(ConfigError, match=r"data_types\.grad_accum_dtype: must be one of"):
+        torch_dtype("fp8", key="data_types.grad_accum_dtype")

@@ -9,6 +9,7 @@ data-parallel, batch, world).
 
 from __future__ import annotations
 
+from deepshard.comm._groups import Group, resolve_group
 from deepshard.comm._handles import CommHandle
 from deepshard.comm._init import DistInfo, init_distributed
 from deepshard.comm.a2a import all_to_all_single_autograd
@@ -32,6 +33,7 @@ __all__ = [
     "CommWatchdog",
     "CommsLogger",
     "DistInfo",
+    "Group",
     "ParallelDims",
     "WatchedCall",
     "all_gather_into_tensor",
@@ -43,4 +45,5 @@ __all__ = [
     "build_mesh",
     "init_distributed",
     "reduce_scatter_tensor",
+    "resolve_group",
 ]

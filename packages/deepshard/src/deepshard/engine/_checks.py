@@ -15,6 +15,7 @@ from __future__ import annotations
 from deepshard.interface.config import DeepShardConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.interface.status import asked_features, planned_problems
+from deepshard.zero import zero_problems
 
 __all__ = ["check_engine_config", "ignored_settings"]
 
@@ -51,9 +52,9 @@ def check_engine_config(config: DeepShardConfig) -> None:
     """Refuses every setting this engine cannot train as asked, naming each key.
 
     Refused: every ``planned`` row of the feature table the config asks for (stage 3, offload,
-    AutoTP, ...) and contradictions between settings. ZeRO's other settings
-    (``compute_grad_norm`` with clipping, ...) are checked by `deepshard.zero` when the optimizer
-    is wrapped.
+    AutoTP, ...), contradictions between settings, and what `deepshard.zero.zero_problems`
+    refuses (``compute_grad_norm: false`` with clipping, ...). Only the optimizer itself is
+    checked later, by `deepshard.zero` when it is wrapped.
 
     Args:
         config: The validated config.
@@ -61,7 +62,10 @@ def check_engine_config(config: DeepShardConfig) -> None:
     Raises:
         ConfigError: Listing every problem found.
     """
-    problems = planned_problems(config) + _precision_problems(config)
+    zero = zero_problems(config.zero_optimization, gradient_clipping=config.gradient_clipping)
+    # ZeRO repeats the table's ZeRO rows (it refuses them when used on its own, too), in the
+    # same words: list each problem once.
+    problems = list(dict.fromkeys(planned_problems(config) + _precision_problems(config) + zero))
     if problems:
         raise ConfigError.from_problems(problems)
 

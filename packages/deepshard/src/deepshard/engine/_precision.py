@@ -27,10 +27,9 @@ from typing import Any
 import torch
 
 from deepshard.interface.config import DeepShardConfig
+from deepshard.zero import torch_dtype
 
 __all__ = ["Precision", "plan_precision"]
-
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -93,10 +92,6 @@ def _to_half(value: Any) -> Any:
     return value
 
 
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else _DTYPES[name]
-
-
 def plan_precision(config: DeepShardConfig, device_type: str) -> Precision:
     """Reads the precision sections of a config (already checked by `check_engine_config`).
 
@@ -112,16 +107,16 @@ def plan_precision(config: DeepShardConfig, device_type: str) -> Precision:
     elif config.bf16.enabled:
         param_dtype = torch.bfloat16
     else:
-        param_dtype = _dtype(config.data_types.param_dtype)
+        param_dtype = torch_dtype(config.data_types.param_dtype, key="data_types.param_dtype")
     autocast_dtype = None
     if config.torch_autocast.enabled:
-        autocast_dtype = _dtype(config.torch_autocast.dtype) or torch.get_autocast_dtype(
-            device_type
-        )
+        autocast_dtype = torch_dtype(
+            config.torch_autocast.dtype, key="torch_autocast.dtype"
+        ) or torch.get_autocast_dtype(device_type)
     loss_scaled = param_dtype == torch.float16 or autocast_dtype == torch.float16
     return Precision(
         param_dtype=param_dtype,
-        buffer_dtype=_dtype(config.data_types.buffer_dtype),
+        buffer_dtype=torch_dtype(config.data_types.buffer_dtype, key="data_types.buffer_dtype"),
         autocast_dtype=autocast_dtype,
         cast_inputs=config.fp16.enabled and config.fp16.auto_cast,
         loss_scaled=loss_scaled,

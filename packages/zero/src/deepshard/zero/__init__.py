@@ -8,6 +8,7 @@ importable on its own and needs no process group.
 
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
+from deepshard.zero._settings import zero_problems
 from deepshard.zero.build import build_zero_optimizer
 from deepshard.zero.layout import (
     ALIGNMENT_BYTES,
@@ -22,7 +23,7 @@ from deepshard.zero.layout import (
 )
 from deepshard.zero.norms import GradNorm, global_grad_norm, grad_overflow, scale_factor
 from deepshard.zero.optimizer import ParamShard, StepResult, ZeroOptimizer
-from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket
+from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket, torch_dtype
 
 __all__ = [
     "ALIGNMENT_BYTES",
@@ -48,4 +49,6 @@ __all__ = [
     "plan_gather_calls",
     "reduce_bucket",
     "scale_factor",
+    "torch_dtype",
+    "zero_problems",
 ]

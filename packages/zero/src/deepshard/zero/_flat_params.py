@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-from deepshard.comm import CommsLogger, all_gather_into_tensor
+from deepshard.comm import CommsLogger, Group, all_gather_into_tensor
 from deepshard.interface.errors import ConfigError
-from deepshard.zero._group import Group
 from deepshard.zero.layout import FlatLayout, GatherCall, gather_copies, plan_flat_layout
 
 __all__ = [

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepshard.comm import CommsLogger
-from deepshard.zero._group import Group, resolve_group
+from deepshard.comm import CommsLogger, Group, resolve_group
 from deepshard.zero._scheduler import BucketScheduler, Finish
 from deepshard.zero.layout import FlatLayout, ParamSlot
 from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket

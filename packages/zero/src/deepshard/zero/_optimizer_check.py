@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from deepshard.interface.errors import ConfigError
 from deepshard.zero._flat_params import MASTER_VIEW_NUMEL
 
-__all__ = ["ZERO_SAFE_ATTRIBUTE", "check_optimizer", "is_zero_safe", "master_view_numel"]
+__all__ = ["ZERO_SAFE_ATTRIBUTE", "is_zero_safe", "master_view_numel", "optimizer_problems"]
 
 ZERO_SAFE_ATTRIBUTE = "zero_safe"
 """Class attribute that, set to ``True``, declares an optimizer element-wise (ZeRO-safe)."""
@@ -56,33 +55,34 @@ def master_view_numel(optimizer: torch.optim.Optimizer, *, transformed: bool) ->
     return MASTER_VIEW_NUMEL if elementwise else None
 
 
-def check_optimizer(optimizer: object, *, allow_untested: bool) -> None:
-    """Refuse an optimizer ZeRO cannot wrap.
+def optimizer_problems(optimizer: object, *, allow_untested: bool) -> list[tuple[str, str]]:
+    """Why ZeRO cannot wrap ``optimizer``, as ``(key path, message)`` (no key: not a setting).
 
     Args:
         optimizer: The inner optimizer.
         allow_untested: The config's ``zero_allow_untested_optimizer``.
 
-    Raises:
-        ConfigError: Not a ``torch.optim.Optimizer``; it already has state (it must be wrapped
-            before its first step); or it is untested and ``allow_untested`` is false.
+    Returns:
+        Empty when it can; else the problem: not a ``torch.optim.Optimizer``; it already has
+        state (it must be wrapped before its first step); or it is untested and
+        ``allow_untested`` is false.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"ZeRO wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        return [("", f"ZeRO wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")]
     if optimizer.state:
-        raise ConfigError(
+        message = (
             f"{type(optimizer).__name__} already has state; wrap it with ZeRO before its "
             "first step (ZeRO re-creates the state on the partitioned fp32 master weights)"
         )
-    if not allow_untested and not is_zero_safe(optimizer):
-        raise ConfigError.from_problems(
-            [
-                (
-                    "zero_allow_untested_optimizer",
-                    f"{type(optimizer).__qualname__} is not known to be element-wise, which "
-                    'ZeRO\'s flat partitions need; set "zero_allow_untested_optimizer": true '
-                    "(top level of the config) to use it anyway, or mark the class "
-                    f"`{ZERO_SAFE_ATTRIBUTE} = True` if its update is element-wise",
-                )
-            ]
+        return [("", message)]
+    if allow_untested or is_zero_safe(optimizer):
+        return []
+    return [
+        (
+            "zero_allow_untested_optimizer",
+            f"{type(optimizer).__qualname__} is not known to be element-wise, which "
+            'ZeRO\'s flat partitions need; set "zero_allow_untested_optimizer": true '
+            "(top level of the config) to use it anyway, or mark the class "
+            f"`{ZERO_SAFE_ATTRIBUTE} = True` if its update is element-wise",
         )
+    ]

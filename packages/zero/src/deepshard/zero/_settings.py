@@ -1,6 +1,6 @@
 """What of a config ZeRO stages 0-2 can run, and the message sizes it communicates in.
 
-Settings this package does not run are refused with the key path to change (`check_zero_settings`).
+Settings this package does not run are refused with the key path to change (`zero_problems`).
 
 **Message sizes** (`message_sizes`). ``reduce_bucket_size`` and ``allgather_bucket_size`` bound
 the elements one collective moves; DeepSpeed's defaults (5e8) make every param group of a
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from deepshard.interface.config import ZeroConfig
-from deepshard.interface.errors import ConfigError
+from deepshard.interface.config import DeepShardConfig, ZeroConfig
+from deepshard.interface.status import planned_problems
 
-__all__ = ["CPU_MESSAGE_NUMEL", "check_zero_settings", "message_sizes"]
+__all__ = ["CPU_MESSAGE_NUMEL", "message_sizes", "zero_problems"]
 
 CPU_MESSAGE_NUMEL = 1 << 22
 """Most elements of one reduce bucket or one all-gather call for CPU parameters (16 MiB fp32)."""
@@ -46,21 +46,21 @@ def message_sizes(config: ZeroConfig, param_groups: Iterable[Mapping[str, Any]])
     return bucket, gather
 
 
-def check_zero_settings(config: ZeroConfig, *, gradient_clipping: float) -> None:
-    """Refuse settings this package does not run, naming the key and the alternative.
+def zero_problems(config: ZeroConfig, *, gradient_clipping: float) -> list[tuple[str, str]]:
+    """Every setting of ``config`` this package refuses, as ``(key path, message)``.
+
+    The features not there yet (stage 3, offload) come from the feature table
+    (`deepshard.interface.status`), the same rows the engine refuses, so the two agree word for
+    word; the contradictions are ZeRO's own.
 
     Args:
         config: The ``zero_optimization`` section.
         gradient_clipping: The top-level ``gradient_clipping``.
 
-    Raises:
-        ConfigError: Listing every problem found.
+    Returns:
+        One ``(key path, message)`` per problem; empty when ZeRO runs the settings.
     """
-    problems: list[tuple[str, str]] = []
-    if config.stage == 3:
-        problems.append(
-            ("zero_optimization.stage", "3 is not available yet in deepshard.zero; use 0, 1 or 2")
-        )
+    problems = planned_problems(DeepShardConfig(zero_optimization=config))
     if gradient_clipping < 0:
         problems.append(
             ("gradient_clipping", f"must be >= 0 (0 disables), got {gradient_clipping}")
@@ -73,15 +73,6 @@ def check_zero_settings(config: ZeroConfig, *, gradient_clipping: float) -> None
                 f"is {gradient_clipping}",
             )
         )
-    offload = config.offload_optimizer
-    if offload is not None and offload.device != "none":
-        problems.append(
-            (
-                "zero_optimization.offload_optimizer",
-                f'device "{offload.device}" is not available yet in deepshard.zero; remove the '
-                'section or set its device to "none"',
-            )
-        )
     if not config.allgather_partitions:
         problems.append(
             (
@@ -89,5 +80,4 @@ def check_zero_settings(config: ZeroConfig, *, gradient_clipping: float) -> None
                 "false (broadcast instead of all-gather) is not supported; remove the key",
             )
         )
-    if problems:
-        raise ConfigError.from_problems(problems)
+    return problems

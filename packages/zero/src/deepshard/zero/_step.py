@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepshard.comm import CommsLogger
-from deepshard.zero._group import Group
+from deepshard.comm import CommsLogger, Group
 from deepshard.zero.norms import global_grad_norm, grad_overflow
 
 __all__ = ["NormSettings", "StepResult", "checked_norm", "norm_and_overflow", "step_inner"]

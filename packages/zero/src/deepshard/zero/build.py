@@ -6,12 +6,11 @@ from collections.abc import Iterable
 
 import torch
 
-from deepshard.comm import CommsLogger
+from deepshard.comm import CommsLogger, Group
 from deepshard.interface import DeepShardConfig, PlacementRegistry
 from deepshard.zero._full_grads import FullGradTransform
-from deepshard.zero._group import Group
 from deepshard.zero.optimizer import ZeroOptimizer
-from deepshard.zero.reduction import DTYPES, GradientReduction
+from deepshard.zero.reduction import GradientReduction, torch_dtype
 
 __all__ = ["build_zero_optimizer"]
 
@@ -60,14 +59,14 @@ def build_zero_optimizer(
         predivide_factor=config.gradient_predivide_factor,
         dtype=config.communication_data_type,
     )
-    accum = config.data_types.grad_accum_dtype
+    accum = torch_dtype(config.data_types.grad_accum_dtype, key="data_types.grad_accum_dtype")
     return ZeroOptimizer(
         optimizer,
         group=group,
         config=config.zero_optimization,
         gradient_clipping=config.gradient_clipping,
         reduction=reduction,
-        grad_accum_dtype=None if accum is None else DTYPES[accum],
+        grad_accum_dtype=accum,
         zero_allow_untested_optimizer=config.zero_allow_untested_optimizer,
         comms_logger=comms_logger,
         named_parameters=named_parameters,

@@ -35,9 +35,8 @@ from typing import Literal
 
 import torch
 
-from deepshard.comm import CommsLogger, all_reduce
+from deepshard.comm import CommsLogger, Group, all_reduce
 from deepshard.interface.errors import ConfigError
-from deepshard.zero._group import Group
 
 __all__ = [
     "NORM_BLOCK",

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from deepshard.comm import CommsLogger
+from deepshard.comm import CommsLogger, Group, resolve_group
 from deepshard.interface import PlacementRegistry
 from deepshard.interface.config import ZeroConfig
 from deepshard.interface.errors import CommError, ConfigError
@@ -55,11 +55,10 @@ from deepshard.zero._gradients import (
     PartitionedGradients,
     StoreSettings,
 )
-from deepshard.zero._group import Group, resolve_group
-from deepshard.zero._optimizer_check import check_optimizer, master_view_numel
+from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._passes import BackwardPasses
 from deepshard.zero._placements import param_names, registration_positions, resolve_placements
-from deepshard.zero._settings import check_zero_settings, message_sizes
+from deepshard.zero._settings import message_sizes, zero_problems
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
 from deepshard.zero._step import NormSettings, StepResult, checked_norm, step_inner
@@ -111,6 +110,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             or ``transformed_params`` without a transform or not forming whole param groups.
         TopologyError: A parameter's placement is missing or does not fit it, or ``group`` is
             not the parameters' reduction group.
+        CommError: ``group`` is a mesh with more than one axis, or not a group.
     """
 
     def __init__(
@@ -131,9 +131,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         transformed_params: Iterable[torch.Tensor] = (),
     ) -> None:
         self.config = config if config is not None else ZeroConfig()
-        check_zero_settings(self.config, gradient_clipping=gradient_clipping)
         allow_untested = zero_allow_untested_optimizer or full_grad_transform is not None
-        check_optimizer(optimizer, allow_untested=allow_untested)
+        # Every refusal at once, before anything is built.
+        problems = zero_problems(self.config, gradient_clipping=gradient_clipping)
+        problems += optimizer_problems(optimizer, allow_untested=allow_untested)
+        if problems:
+            raise ConfigError.from_problems(problems)
         selected = list(transformed_params)
         self.inner, self.gradient_clipping = optimizer, gradient_clipping
         self.norm_type = check_norm_type(norm_type)

@@ -24,14 +24,32 @@ from typing import Literal
 
 import torch
 
-from deepshard.comm import CommHandle, CommsLogger, all_reduce, reduce_scatter_tensor
+from deepshard.comm import (
+    CommHandle,
+    CommsLogger,
+    Group,
+    all_reduce,
+    reduce_scatter_tensor,
+    resolve_group,
+)
 from deepshard.interface.errors import ConfigError
-from deepshard.zero._group import Group, resolve_group
 
-__all__ = ["DTYPES", "GradientReduction", "PendingReduction", "reduce_bucket"]
+__all__ = ["GradientReduction", "PendingReduction", "reduce_bucket", "torch_dtype"]
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-"""The torch dtype of each config dtype name (``communication_data_type``, ``grad_accum_dtype``)."""
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name: str | None, *, key: str) -> torch.dtype | None:
+    """The torch dtype of a config dtype name (``None`` for ``None``); the one such map.
+
+    Raises:
+        ConfigError: An unknown name; the message names ``key``, the config key it came from.
+    """
+    if name is None:
+        return None
+    if name not in _TORCH_DTYPES:
+        raise ConfigError(f"{key}: must be one of {sorted(_TORCH_DTYPES)}, got {name!r}")
+    return _TORCH_DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -70,12 +88,8 @@ class GradientReduction:
         dtype: str | None = None,
     ) -> GradientReduction:
         """Builds the settings from config values (``dtype`` as ``"fp32"``, ``"bf16"``...)."""
-        if dtype is not None and dtype not in DTYPES:
-            raise ConfigError(
-                f"communication_data_type: must be one of {sorted(DTYPES)}, got {dtype!r}"
-            )
-        torch_dtype = None if dtype is None else DTYPES[dtype]
-        return cls(op, prescale, predivide_factor, torch_dtype)
+        comm_dtype = torch_dtype(dtype, key="communication_data_type")
+        return cls(op, prescale, predivide_factor, comm_dtype)
 
     def pre_factor(self, world_size: int) -> float:
         """What each rank multiplies its gradients by before the sum."""

@@ -1,7 +1,7 @@
 """Shared by the launcher's real-process tests: probe scripts and a ``ds-launch`` runner.
 
 A plain module imported by path (pytest's importlib mode keeps ``tests/`` off ``sys.path``):
-``_probes = load_helper(__file__, "_probes")`` is spelled out in each test file.
+``_probes = import_beside(__file__, "_probes.py")`` (`deepshard.testing`).
 """
 
 from __future__ import annotations

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import os
 import pwd
 import secrets
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+
+from deepshard.testing import import_beside
 
 PACKAGES = {
     "/usr/sbin/munged": "munge",
@@ -39,19 +38,7 @@ NODE = "localhost"
 READY_TIMEOUT_S = 60.0
 
 
-def _sibling(name: str) -> ModuleType:
-    """Import ``tests/<name>.py`` by path (once per process)."""
-    key = f"_deepshard_launcher_tests_{name.lstrip('_')}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_sshd = _sibling("_sshd")
+_sshd = import_beside(__file__, "_sshd.py")
 Unavailable = _sshd.Unavailable
 
 

@@ -4,12 +4,10 @@ values that start with a dash parse as one value."""
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -18,20 +16,9 @@ from deepshard.interface.errors import LaunchError
 from deepshard.launcher import LaunchOptions, RunOptions, plan_launch
 from deepshard.launcher._ports import check_master_addr, port_is_free, resolve_master_port
 from deepshard.launcher.cli import main, parse_args
+from deepshard.testing import import_beside
 
-
-def _helper(name: str) -> ModuleType:
-    key = f"_deepshard_launcher_tests_{name.lstrip('_')}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_probes = _helper("_probes")
+_probes = import_beside(__file__, "_probes.py")
 _TCP_TIME_WAIT = "06"  # the state column of /proc/net/tcp
 
 

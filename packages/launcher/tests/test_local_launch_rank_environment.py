@@ -6,30 +6,16 @@ launch's own layout (rank r of n on one node), never from a stored transcript.
 
 from __future__ import annotations
 
-import importlib.util
 import socket
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from deepshard.launcher import split_cores
 from deepshard.launcher._cores import available_cpus, core_groups
+from deepshard.testing import import_beside
 
-
-def _helper(name: str) -> ModuleType:
-    key = f"_deepshard_launcher_tests_{name.lstrip('_')}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_probes = _helper("_probes")
+_probes = import_beside(__file__, "_probes.py")
 PAYLOAD = "a b'; touch pwned; '\"; touch pwned; \"$(touch pwned) * $HOME"
 
 

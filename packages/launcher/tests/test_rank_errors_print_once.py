@@ -7,30 +7,17 @@ folding of rank errors as a function of data.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 from deepshard.launcher import Outcome, ProcessSpec
 from deepshard.launcher._rank_errors import RankError, traceback_requested
 from deepshard.launcher._report import describe_outcome
+from deepshard.testing import import_beside
 
-
-def _helper(name: str) -> ModuleType:
-    key = f"_deepshard_launcher_tests_{name.lstrip('_')}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_probes = _helper("_probes")
+_probes = import_beside(__file__, "_probes.py")
 MESSAGE = "zero_optimization.stage: input should be 0, 1, 2 or 3; got 7"
 # Both ranks raise the same error. They ignore SIGTERM, so the first rank's failure does not stop
 # the other before it raised too (the launcher's stop would otherwise race the second raise).

@@ -9,7 +9,6 @@ ds-launch's pipe, as with the real ssh client. (Real ssh is covered by test_ssh_
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import stat
@@ -17,25 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from deepshard.launcher import LaunchOptions, RunOptions, plan_launch
+from deepshard.testing import import_beside
 
-
-def _helper(name: str) -> ModuleType:
-    key = f"_deepshard_launcher_tests_{name.lstrip('_')}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_probes = _helper("_probes")
+_probes = import_beside(__file__, "_probes.py")
 PAYLOAD = "a b'; touch pwned; '\"; touch pwned; \"$(touch pwned)`touch pwned` * $HOME\nz"
 TWO_NODES = "localhost slots=1\n127.0.0.1 slots=2\n"
 FAKE_SSH = """#!/bin/sh

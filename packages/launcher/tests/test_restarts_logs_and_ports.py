@@ -3,27 +3,14 @@ and a busy --master_port replaced by a free one."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
+from deepshard.testing import import_beside
 
-def _helper(name: str) -> ModuleType:
-    key = f"_deepshard_launcher_tests_{name.lstrip('_')}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_probes = _helper("_probes")
+_probes = import_beside(__file__, "_probes.py")
 
 # Records the attempt; rank 1 fails while DEEPSHARD_RESTART_COUNT < FAIL_UNTIL (after rank 0 has
 # recorded the same attempt), and on the first attempt waits for OUT/go first (so the test can

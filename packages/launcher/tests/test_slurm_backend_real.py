@@ -12,7 +12,6 @@ compares that with the layout it asked for and the sum computed here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 import subprocess
@@ -20,25 +19,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from deepshard.testing import import_beside
 
-def _helper(name: str) -> ModuleType:
-    """Import ``tests/<name>.py`` by path (pytest's importlib mode keeps tests/ off sys.path)."""
-    key = f"_deepshard_launcher_tests_{name.lstrip('_')}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_slurm = _helper("_slurm")
+_slurm = import_beside(__file__, "_slurm.py")
 DS_LAUNCH = Path(sys.executable).parent / "ds-launch"
 LAUNCH_TIMEOUT_S = 180
 

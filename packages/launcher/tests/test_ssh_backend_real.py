@@ -13,7 +13,6 @@ the layout it asked for and with the sum computed here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -22,25 +21,13 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from deepshard.testing import import_beside
 
-def _helper(name: str) -> ModuleType:
-    """Import ``tests/<name>.py`` by path (pytest's importlib mode keeps tests/ off sys.path)."""
-    key = f"_deepshard_launcher_tests_{name.lstrip('_')}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_sshd = _helper("_sshd")
+_sshd = import_beside(__file__, "_sshd.py")
 DS_LAUNCH = Path(sys.executable).parent / "ds-launch"
 LAUNCH_TIMEOUT_S = 180
 

@@ -17,30 +17,16 @@ running the Muon group with ``lr·f`` and ``weight_decay/f`` (``p(1-lr·wd) - lr
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from collections.abc import Mapping
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from deepshard.optimizers import Muon, muon_update
+from deepshard.testing import import_beside
 
-
-def _load(name: str) -> ModuleType:
-    key = f"_deepshard_zero_tests{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_training = _load("_training")
+_training = import_beside(__file__, "_training.py")
 
 MUON_LR = 0.02
 ADAM_LR = 1e-2

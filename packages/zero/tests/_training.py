@@ -8,16 +8,12 @@ and 4 ranks. Every step uses a global batch of `GLOBAL_BATCH` samples; with ``W`
 ``mb = GLOBAL_BATCH / (W·ga)``, so the ranks together see exactly the reference's batch.
 
 Test modules load this file by path (pytest's importlib mode keeps ``tests/`` off ``sys.path``):
-``_training = load_helper(__file__)``.
+``_training = import_beside(__file__, "_training.py")`` (`deepshard.testing`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -29,19 +25,6 @@ LR = 1e-2
 WEIGHT_DECAY = 0.1
 CLIP = 1.0
 STEPS = 5
-
-
-def load_helper(test_file: str) -> ModuleType:
-    """This module, imported once under a fixed name (for test files that sit beside it)."""
-    key = "_deepshard_zero_tests_training"
-    if key not in sys.modules:
-        path = Path(test_file).with_name("_training.py")
-        spec = importlib.util.spec_from_file_location(key, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 def make_model(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Sequential:

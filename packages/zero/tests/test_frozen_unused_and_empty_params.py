@@ -6,29 +6,14 @@ unused parameters zero gradients. ``ignore_unused_parameters: false`` refuses th
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from deepshard.testing import run_on_mesh
+from deepshard.testing import import_beside, run_on_mesh
 
-
-def _helper(name: str) -> ModuleType:
-    """Import ``tests/<name>.py`` by path (pytest's importlib mode keeps tests/ off sys.path)."""
-    key = f"_deepshard_zero_tests{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_training = _helper("_training")
+_training = import_beside(__file__, "_training.py")
 WORLD, STEPS = 2, 3
 
 

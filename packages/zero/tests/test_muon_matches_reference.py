@@ -10,29 +10,15 @@ or on an unreduced gradient, moves the parameters by O(lr) = 1e-2 relative.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
-from deepshard.testing import run_on_mesh
+from deepshard.testing import import_beside, run_on_mesh
 
-
-def _helper(name: str) -> ModuleType:
-    key = f"_deepshard_zero_tests{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_muon = _helper("_muon_training")
+_muon = import_beside(__file__, "_muon_training.py")
 
 CONFIGS = [(stage, ga) for stage in (0, 1, 2) for ga in (1, 4)]
 

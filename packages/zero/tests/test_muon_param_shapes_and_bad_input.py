@@ -4,11 +4,7 @@ full-gradient transform used wrongly."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator, Mapping
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -18,21 +14,10 @@ from deepshard.interface import ParamShapes, Topology
 from deepshard.interface.config import ZeroConfig
 from deepshard.interface.errors import CheckpointError, ConfigError
 from deepshard.optimizers import Muon
-from deepshard.testing import fake_mesh
+from deepshard.testing import fake_mesh, import_beside
 from deepshard.zero import ZeroOptimizer
 
-
-def _helper(name: str) -> ModuleType:
-    key = f"_deepshard_zero_tests{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-_muon = _helper("_muon_training")
+_muon = import_beside(__file__, "_muon_training.py")
 WORLD, RANK = 4, 3
 
 

@@ -52,7 +52,10 @@ def _train(mesh: Any, cpu_checkpointing: bool) -> dict[str, Any]:
     losses = []
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(10 * step + rank)
-        x, y = torch.randn(MICRO_BATCH, 16, generator=gen), torch.randn(MICRO_BATCH, 16, generator=gen)
+        x, y = (
+            torch.randn(MICRO_BATCH, 16, generator=gen),
+            torch.randn(MICRO_BATCH, 16, generator=gen),
+        )
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()

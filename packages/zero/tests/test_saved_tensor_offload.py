@@ -60,7 +60,9 @@ def _mlp() -> torch.nn.Module:
 @pytest.mark.parametrize("name", ["mlp", "attention"])
 def test_gradients_equal_those_without_the_context(name: str) -> None:
     torch.manual_seed(0)
-    model, x = (_mlp(), torch.randn(8, 16)) if name == "mlp" else (_Attention(), torch.randn(2, 6, 32))
+    model, x = (
+        (_mlp(), torch.randn(8, 16)) if name == "mlp" else (_Attention(), torch.randn(2, 6, 32))
+    )
     x.requires_grad_(True)
     want = _grads(model, x, lambda: model(x).square().mean())
     offload = offload_saved_tensors(min_numel=0)

@@ -182,7 +182,7 @@ def _check_arguments(device: torch.device | str, pin_memory: Any, min_numel: Any
     return host
 
 
-class SavedTensorOffload(torch.autograd.graph.saved_tensors_hooks):
+class SavedTensorOffload:
     """The context `offload_saved_tensors` returns; `stats` says what it did.
 
     Args:
@@ -192,7 +192,7 @@ class SavedTensorOffload(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, host: torch.device, pin_memory: bool, min_numel: int) -> None:
-        super().__init__(self._pack, self._unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._host = host
         self._pin_memory = pin_memory
         self._min_numel = min_numel
@@ -209,11 +209,11 @@ class SavedTensorOffload(torch.autograd.graph.saved_tensors_hooks):
         return self._stats
 
     def __enter__(self) -> SavedTensorOffload:
-        super().__enter__()
+        self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        super().__exit__(*exc_info)
+        self._hooks.__exit__(*exc_info)
         # Saved views keep their records alive; the lookup table is only needed while packing.
         self._records.clear()
 
@@ -234,7 +234,7 @@ class SavedTensorOffload(torch.autograd.graph.saved_tensors_hooks):
         if storage.nbytes() < self._min_numel * tensor.element_size():
             self._count(kept_small=1)
             return tensor
-        key = StorageWeakRef(storage)
+        key = StorageWeakRef(storage)  # type: ignore[no-untyped-call]  # torch leaves it untyped
         record = self._records.get(key)
         if record is not None and record.version == tensor._version:
             self._count(offloaded=1, shared=1)
@@ -248,7 +248,7 @@ class SavedTensorOffload(torch.autograd.graph.saved_tensors_hooks):
             dtype=tensor.dtype,
             size=tuple(tensor.size()),
             stride=tuple(tensor.stride()),
-            offset=tensor.storage_offset(),
+            offset=int(tensor.storage_offset()),
         )
 
     def _host_buffer(self, source: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,7 @@ def test_rank1_stays_silent(ranks: list[Any]) -> None:
 def test_the_warning_lists_each_inert_block_and_every_ignored_key(ranks: list[Any]) -> None:
     features = next(x for x in ranks[0]["nothing"].splitlines() if "accepted but not" in x)
     assert "tensorboard: the TensorBoard monitor" in features
-    assert "activation_checkpointing: activation checkpointing" in features
+    assert "activation_checkpointing.partition_activations: partitioned activation" in features
     keys = next(x for x in ranks[0]["nothing"].splitlines() if "ignored config keys:" in x)
     assert keys.split("ignored config keys: ")[1].split(", ") == [  # in the schema's order
         "activation_checkpointing.partition_activations",

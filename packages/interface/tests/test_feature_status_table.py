@@ -136,3 +136,19 @@ def test_the_status_tables_import_without_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "False"
+
+
+def test_cpu_checkpointing_is_available_and_the_other_checkpointing_keys_are_reported() -> None:
+    offload = DeepShardConfig.model_validate(
+        {"activation_checkpointing": {"cpu_checkpointing": True}}
+    )
+    assert status_of("activation_checkpointing.cpu_checkpointing") is None
+    assert asked_features(offload, "ignored") == []
+    assert ignored_keys(offload) == []
+    both = DeepShardConfig.model_validate(
+        {"activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": True}}
+    )
+    assert [row.key for row in asked_features(both, "ignored")] == [
+        "activation_checkpointing.partition_activations"
+    ]
+    assert ignored_keys(both) == ["activation_checkpointing.partition_activations"]

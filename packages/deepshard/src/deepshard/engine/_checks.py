@@ -5,7 +5,7 @@ feature table of `deepshard.interface.status`, which the docs are generated from
 that changes what training computes and is not wired yet (a ``planned`` row) is refused with the
 key to change, before anything is built: running it silently as plain data parallelism would
 train something else than asked. A feature that is accepted but has no effect yet (an
-``ignored`` row: monitors, the FLOPs profiler, activation checkpointing, stage-3 knobs...) is
+``ignored`` row: monitors, the FLOPs profiler, activation partitioning, stage-3 knobs...) is
 reported once on rank 0, with every key of the user's config it ignores. Contradictions between
 settings are checked here in code.
 """

@@ -3,7 +3,9 @@
 The engine builds nothing and decides nothing itself (``initialize`` builds the parts); each call
 runs the parts in order:
 
-* ``engine(*args)`` runs the module's forward under the precision's autocast and input cast.
+* ``engine(*args)`` runs the module's forward under the precision's autocast and input cast,
+  and under `deepshard.zero.offload_saved_tensors` when ``activation_checkpointing.
+  cpu_checkpointing`` is set (the activations autograd saves wait for backward on the host).
 * ``engine.backward(loss)`` divides the loss by the accumulation steps, multiplies it by the
   loss scale, and runs backward through ZeRO, whose parameter hooks reduce the gradients at the
   accumulation boundary.
@@ -49,7 +51,7 @@ from deepshard.engine._unsupported import refused_attribute_message
 from deepshard.engine.loss_scaler import LossScaler
 from deepshard.interface import BatchSizes, DeepShardConfig
 from deepshard.interface.errors import CommError, ConfigError
-from deepshard.zero import ZeroOptimizer
+from deepshard.zero import ZeroOptimizer, offload_saved_tensors
 
 __all__ = ["DeepShardEngine", "EngineParts"]
 
@@ -149,10 +151,17 @@ class DeepShardEngine(EngineReads, torch.nn.Module):
     # --- the training loop ----------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module's forward (under autocast / with fp16 inputs when configured)."""
+        """Run the module's forward (under autocast / with fp16 inputs, and with the saved
+        activations offloaded to the host, when configured)."""
         precision = self.parts.precision
         self.parts.profiling.before_forward(self.global_steps)
-        with self._timers.time("forward"), precision.forward_context(self.device.type):
+        offload = self.parts.config.activation_checkpointing.cpu_checkpointing
+        saved_tensors = offload_saved_tensors() if offload else contextlib.nullcontext()
+        with (
+            self._timers.time("forward"),
+            precision.forward_context(self.device.type),
+            saved_tensors,
+        ):
             args, kwargs = precision.inputs(args, kwargs)
             return self.module(*args, **kwargs)
 

@@ -1,5 +1,7 @@
 """ZeRO stages 0-2: partitioned optimizer state, master weights and gradients over data parallelism.
 
+`offload_saved_tensors` moves the activations autograd saves to host memory until backward.
+
 `ZeroOptimizer` wraps any element-wise ``torch.optim.Optimizer`` (`build_zero_optimizer` builds
 it from a DeepSpeed config), and Muon through a `FullGradTransform` of whole gradients; the
 functional core (flat layout and partitioning, bucket planning, gradient arithmetic, norms) is
@@ -24,6 +26,7 @@ from deepshard.zero.layout import (
 from deepshard.zero.norms import GradNorm, global_grad_norm, grad_overflow, scale_factor
 from deepshard.zero.optimizer import ParamShard, StepResult, ZeroOptimizer
 from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket, torch_dtype
+from deepshard.zero.saved_tensors import OffloadStats, SavedTensorOffload, offload_saved_tensors
 
 __all__ = [
     "ALIGNMENT_BYTES",
@@ -34,10 +37,12 @@ __all__ = [
     "GatherCall",
     "GradNorm",
     "GradientReduction",
+    "OffloadStats",
     "ParamShard",
     "ParamSlot",
     "PendingReduction",
     "Piece",
+    "SavedTensorOffload",
     "StepResult",
     "ZeroOptimizer",
     "build_zero_optimizer",
@@ -45,6 +50,7 @@ __all__ = [
     "global_grad_norm",
     "grad_overflow",
     "is_zero_safe",
+    "offload_saved_tensors",
     "plan_flat_layout",
     "plan_gather_calls",
     "reduce_bucket",

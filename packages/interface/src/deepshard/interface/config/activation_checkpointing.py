@@ -18,7 +18,10 @@ class ActivationCheckpointingConfig(ConfigModel):
     """Shard checkpointed activations across tensor-parallel ranks."""
 
     cpu_checkpointing: bool = False
-    """Move checkpointed activations to host memory (needs ``partition_activations``)."""
+    """Keep the activations the forward saves for backward in host memory until backward
+    (the engine runs the forward under `deepshard.zero.offload_saved_tensors`). Works without
+    ``partition_activations``, as in DeepSpeed 0.19.7; DeepShard offloads every saved
+    activation (one copy per storage), not only the inputs of checkpointed layers."""
 
     contiguous_memory_optimization: bool = False
     """Copy checkpointed activations into one preallocated buffer (less fragmentation)."""

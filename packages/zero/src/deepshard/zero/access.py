@@ -123,9 +123,10 @@ def _box(shard_map: ShardMap) -> tuple[int, ...]:
     return next(iter(boxes))[1]
 
 
-def _needs_sum(shard_map: ShardMap, numel: int) -> bool:
-    """False when every rank holds the whole box (replicated); True for disjoint pieces."""
-    if all(p.flat_start == 0 and p.stop == numel for p in shard_map.pieces):
+def _needs_sum(shard_map: ShardMap, numel: int, group_size: int) -> bool:
+    """False when every rank of the group holds the whole box; True for disjoint pieces."""
+    whole = {p.rank for p in shard_map.pieces if p.flat_start == 0 and p.stop == numel}
+    if len(whole) == group_size:
         return False
     spans = sorted((p.flat_start, p.stop) for p in shard_map.pieces if p.numel)
     if any(a_stop > b_start for (_, a_stop), (b_start, _) in zip(spans, spans[1:])):
@@ -174,8 +175,9 @@ def _gather(found: _Located, views: list[torch.Tensor], owner: PartitionedOwner,
     for piece in found.pieces:
         full[piece.flat_start : piece.stop].copy_(local[start : start + piece.numel])
         start += piece.numel
-    if _needs_sum(found.shard_map, full.numel()):
-        all_reduce(full, group=owner.partition_group).wait()
+    group = owner.partition_group
+    if _needs_sum(found.shard_map, full.numel(), group.size()):
+        all_reduce(full, group=group).wait()
     return full.view(found.shape)
 
 

@@ -56,7 +56,7 @@ def _train(mesh: Any, stage: int, offload: bool) -> dict[str, Any]:
             loss = _loss(engine, step, 0, mesh)
             engine.offload_states()
             out["forward"] = _refused(lambda: engine(torch.ones(2, _models.SIZES[0])))
-            out["backward"] = _refused(lambda: engine.backward(loss))
+            out["backward"] = _refused(lambda loss=loss: engine.backward(loss))
             out["step"] = _refused(engine.step)
             engine.reload_states()
         for micro in range(GA):
@@ -67,7 +67,9 @@ def _train(mesh: Any, stage: int, offload: bool) -> dict[str, Any]:
                 engine.offload_states(include=["lp_grads", "contiguous_grad_buffer"])
                 engine.reload_states()
                 after = [engine.safe_get_full_grad(p) for p in params]
-                out["grads_kept"] = all(torch.equal(a, b) for a, b in zip(before, after))
+                out["grads_kept"] = all(
+                    torch.equal(a, b) for a, b in zip(before, after, strict=True)
+                )
             engine.step()
     params = list(engine.module.parameters())
     out["fp32_is_module"] = all(

@@ -13,7 +13,8 @@ gradient store's buffers (stage 0-1 full buffers, stage 1 partitions, stage 2 ac
 Exactly the named type's storages (and whatever shares them: a stage-0 fp32 master *is* the
 parameter buffer) drop to 0 bytes, every other keeps its size, and after the reload every tensor
 holds its old bytes. Then the refusals: unknown type, device, offload twice, reload without
-offload, and step / backward / zero_grad / state_dict / safe_get while offloaded.
+offload, memory torch does not own, and step / backward / zero_grad / state_dict / safe_get
+while offloaded.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,7 +78,9 @@ def _check_single(model: Any, zero: Any, stage: int, name: str) -> int:
     for t, size, ptr in zip(everything, sizes, ptrs, strict=True):
         assert t.untyped_storage().nbytes() == (0 if ptr in released else size), name
     assert zero.offloaded_states == (name,)
-    assert report.nbytes == sum(size for size, ptr in set(zip(sizes, ptrs)) if ptr in released)
+    assert report.nbytes == sum(
+        size for size, ptr in set(zip(sizes, ptrs, strict=True)) if ptr in released
+    )
     zero.reload_states()
     after = [t for ts in _by_type(model, zero, stage).values() for t in ts]
     assert len(after) == len(saved)
@@ -128,6 +132,11 @@ def _refusals(group: Any, rank: int) -> dict[str, str]:
     expect("unknown", ConfigError, lambda: zero.offload_states(include=["optim_state", "lp"]))
     expect("device", ConfigError, lambda: zero.offload_states(device="nvme"))
     expect("reload", CommError, zero.reload_states)
+    state = next(iter(zero.inner.state.values()))
+    state["foreign"] = torch.from_numpy(np.zeros(4, dtype=np.float32))  # memory torch does not own
+    expect("foreign", CommError, zero.offload_states)
+    refused["after_foreign"] = str(zero.offloaded_states)
+    del state["foreign"]
     zero.offload_states(include="lp_grads")
     expect("twice", CommError, lambda: zero.offload_states(include=["optim_states", "lp_grads"]))
     loss = _training.loss_fn(model, x[:4], y[:4])  # lp_params stay: the forward runs
@@ -192,6 +201,7 @@ def test_offload_refusals(results: list[dict[str, Any]]) -> None:
         assert "'contiguous_grad_buffer'" in refused["unknown"]  # the valid names are listed
         assert "device='nvme'" in refused["device"] and "'cpu'" in refused["device"]
         assert "no state is offloaded" in refused["reload"]
+        assert "not owned by torch" in refused["foreign"] and refused["after_foreign"] == "()"
         assert "['lp_grads'] are already offloaded" in refused["twice"]
         for what in ("backward", "step", "zero_grad", "state_dict", "safe_get"):
             assert "call reload_states() first" in refused[what], what

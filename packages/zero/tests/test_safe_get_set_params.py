@@ -87,7 +87,9 @@ def _train(group: Any, rank: int, stage: int) -> dict[str, Any]:
             out["exp_avg"] = [dz.safe_get_full_optimizer_state(p, zero, "exp_avg") for p in params]
             out["locals"] = _locals(zero, params, group.get_local_rank())
             dz.safe_set_full_fp32_param(params[0], zero, _value(params[0].shape, 1.0))
-            dz.safe_set_full_optimizer_state(params[2], zero, _value(params[2].shape, 1e-2), "exp_avg")
+            dz.safe_set_full_optimizer_state(
+                params[2], zero, _value(params[2].shape, 1e-2), "exp_avg"
+            )
             piece = dz.safe_get_local_fp32_param(params[4], zero)
             dz.safe_set_local_fp32_param(params[4], zero, 2 * piece)
             out["set_fp32"] = dz.safe_get_full_fp32_param(params[0], zero)

@@ -63,7 +63,9 @@ class ZeroPartitionAccess:
         """Each trainable parameter's group index and shard, by ``id``."""
         shards = iter(self._shards)
         return {
-            id(param): (g, next(shards)) for g, params in enumerate(self._params) for param in params
+            id(param): (g, next(shards))
+            for g, params in enumerate(self._params)
+            for param in params
         }
 
     def _find(self, param: torch.Tensor) -> tuple[int, ParamShard] | None:

@@ -35,7 +35,7 @@ without an offload pass silently; both are errors here, since either means the c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,7 +52,13 @@ if TYPE_CHECKING:
 
 __all__ = ["OFFLOAD_STATE_TYPES", "OffloadReport", "StateOffload", "normalize_include"]
 
-OFFLOAD_STATE_TYPES = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
+OFFLOAD_STATE_TYPES = (
+    "optim_states",
+    "hp_params",
+    "lp_params",
+    "lp_grads",
+    "contiguous_grad_buffer",
+)
 """The state types ``offload_states`` moves (DeepSpeed's ``OffloadStateTypeEnum`` values)."""
 
 
@@ -92,7 +98,9 @@ def normalize_include(include: Iterable[str] | str | None) -> tuple[str, ...]:
     """
     if include is None:
         return OFFLOAD_STATE_TYPES
-    names = [include] if isinstance(include, str) else [str(getattr(n, "value", n)) for n in include]
+    names = (
+        [include] if isinstance(include, str) else [str(getattr(n, "value", n)) for n in include]
+    )
     unknown = sorted(set(names) - set(OFFLOAD_STATE_TYPES))
     if unknown:
         raise ConfigError(
@@ -121,9 +129,37 @@ def gradient_tensors(store: GradientStore) -> dict[str, list[torch.Tensor]]:
     return {"lp_grads": list(store.accumulators), "contiguous_grad_buffer": buffers}
 
 
+def _pageable(nbytes: int, *, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=dtype)
+
+
+def _copy_out(
+    tensors: Iterable[torch.Tensor],
+    released: dict[int, _Released],
+    host: Callable[..., torch.Tensor],
+    *,
+    non_blocking: bool,
+) -> list[_Released]:
+    """Copy each storage of ``tensors`` not in ``released`` (by data pointer) to a new host
+    buffer from ``host(nbytes, dtype=uint8)``; record it there and return the new records."""
+    fresh = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0 or storage.data_ptr() in released:
+            continue  # empty (perhaps released by an earlier call), or already taken
+        buffer = host(nbytes, dtype=torch.uint8)
+        buffer.copy_(_bytes_of(storage, nbytes), non_blocking=non_blocking)
+        record = _Released(storage, buffer)
+        released[storage.data_ptr()] = record
+        fresh.append(record)
+    return fresh
+
+
 def _bytes_of(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     """A uint8 tensor over the first ``nbytes`` of ``storage``."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,))
+    empty = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return empty.set_(storage, 0, (nbytes,), (1,))
 
 
 class StateOffload:
@@ -209,28 +245,21 @@ class StateOffload:
         accelerator = get_accelerator(self._device.type)
         before = accelerator.memory_allocated()
         released: dict[int, _Released] = {}  # by data pointer: shared storages move once
-        moved = 0
-        for name in names:
-            fresh: list[_Released] = []
-            for tensor in self._state_tensors(name):
-                storage = tensor.untyped_storage()
-                nbytes = storage.nbytes()
-                if nbytes == 0 or storage.data_ptr() in released:
-                    continue  # empty (perhaps released by an earlier call), or already taken
-                if pin_memory:
-                    host = accelerator.pin_empty(nbytes, dtype=torch.uint8)
-                else:
-                    host = torch.empty(nbytes, dtype=torch.uint8)
-                host.copy_(_bytes_of(storage, nbytes), non_blocking=non_blocking)
-                record = _Released(storage, host)
-                released[storage.data_ptr()] = record
-                fresh.append(record)
-                moved += nbytes
-            self._offloaded[name] = fresh
+        host = accelerator.pin_empty if pin_memory else _pageable
+        taken = {
+            name: _copy_out(self._state_tensors(name), released, host, non_blocking=non_blocking)
+            for name in names
+        }
+        if not all(record.storage.resizable() for record in released.values()):
+            raise CommError(
+                "offload_states: a state tensor's memory is not owned by torch (from_numpy or "
+                "from_blob), so it cannot be released; nothing was offloaded"
+            )
         self._point_params_at_empty(released)
-        for rs in (self._offloaded[name] for name in names):
-            for record in rs:
-                record.storage.resize_(0)
+        for record in released.values():
+            record.storage.resize_(0)
+        self._offloaded.update(taken)
+        moved = sum(record.host.numel() for record in released.values())
         return OffloadReport(names, moved, _delta(before, accelerator.memory_allocated()))
 
     def reload_states(self, non_blocking: bool = False) -> OffloadReport:

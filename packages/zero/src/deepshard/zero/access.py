@@ -30,6 +30,7 @@ A stage-3 owner plugs in by implementing `PartitionedOwner`.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,7 +130,7 @@ def _needs_sum(shard_map: ShardMap, numel: int, group_size: int) -> bool:
     if len(whole) == group_size:
         return False
     spans = sorted((p.flat_start, p.stop) for p in shard_map.pieces if p.numel)
-    if any(a_stop > b_start for (_, a_stop), (b_start, _) in zip(spans, spans[1:])):
+    if any(a_stop > b_start for (_, a_stop), (b_start, _) in itertools.pairwise(spans)):
         raise CommError(
             "the shard map mixes overlapping and partial pieces; the safe_get functions gather "
             "replicated or disjoint pieces only"
@@ -166,11 +167,10 @@ def _locate(
     return _Located(shard_map, _box(shard_map), pieces, views)
 
 
-def _gather(found: _Located, views: list[torch.Tensor], owner: PartitionedOwner,
-            device: torch.device) -> torch.Tensor:
+def _gather(found: _Located, owner: PartitionedOwner, device: torch.device) -> torch.Tensor:
     """The whole tensor from every rank's pieces (an all-reduce unless replicated)."""
     full = torch.zeros(math.prod(found.shape), dtype=torch.float32, device=device)
-    local = _concat(views, device)
+    local = _concat(found.views or [], device)
     start = 0
     for piece in found.pieces:
         full[piece.flat_start : piece.stop].copy_(local[start : start + piece.numel])
@@ -189,7 +189,7 @@ def _get(
         return None
     if not full:
         return _concat(found.views, param.device)
-    return _gather(found, found.views, owner, param.device)
+    return _gather(found, owner, param.device)
 
 
 def _value(value: object, numel: int, shape: Sequence[int], what: str) -> torch.Tensor:
@@ -220,9 +220,9 @@ def _set(
             f"{what}: no reduced gradient exists now; gradients live between the backward pass "
             "that ends an accumulation cycle and step()"
         )
-    if full:
-        flat = _value(value, math.prod(found.shape), found.shape, what)
-        local = _concat([flat[p.flat_start : p.stop] for p in found.pieces], param.device)
+    whole = _value(value, math.prod(found.shape), found.shape, what) if full else None
+    if whole is not None:
+        local = _concat([whole[p.flat_start : p.stop] for p in found.pieces], param.device)
     else:
         numel = sum(p.numel for p in found.pieces)
         local = _value(value, numel, (numel,), what)
@@ -232,8 +232,8 @@ def _set(
             view.copy_(local[start : start + view.numel()].view(view.shape))
             start += view.numel()
     if kind == "fp32":  # the model's copy follows (the local setter gathers the whole master)
-        whole = flat.view(found.shape) if full else _gather(found, found.views, owner, param.device)
-        owner.write_model_param(param, whole)
+        model = _gather(found, owner, param.device) if whole is None else whole.view(found.shape)
+        owner.write_model_param(param, model)
 
 
 _NAMES = {"fp32": "fp32_param", "grad": "grad", "state": "optimizer_state"}

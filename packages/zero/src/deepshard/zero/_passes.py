@@ -125,7 +125,7 @@ class BackwardPasses:
 
     def _begin(self) -> None:
         if self.guard is not None:
-            self.guard("a backward pass")
+            self.guard("backward()")
         if self._ready:
             raise CommError(
                 "a backward pass followed the accumulation boundary before step(): call step() "

@@ -21,7 +21,9 @@ so only the division by the accumulation steps matters there).
 
 A DeepSpeed script may also use ``engine.no_sync()`` (not nested) or
 ``engine.set_gradient_accumulation_boundary(flag)`` to choose the boundary itself, and
-``engine.save_16bit_model(save_dir)`` (safetensors, `deepshard.engine._export`). A DeepSpeed
+``engine.save_16bit_model(save_dir)`` (safetensors, `deepshard.engine._export`),
+``engine.offload_states()`` / ``reload_states()`` and the ``safe_get_*`` / ``safe_set_*``
+accessors (`deepshard.engine._engine_states`). A DeepSpeed
 engine name DeepShard leaves out raises an ``AttributeError`` saying what to use instead
 (`deepshard.engine._unsupported`).
 
@@ -44,6 +46,7 @@ from deepshard.comm import CommsLogger, DistInfo, ParallelDims
 from deepshard.engine import _export
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._engine_reads import EngineReads
+from deepshard.engine._engine_states import EngineStates
 from deepshard.engine._precision import Precision
 from deepshard.engine._profiling import StepProfiling
 from deepshard.engine._reporting import ProgressReporter
@@ -103,7 +106,7 @@ def _check_loss(loss: Any, what: str) -> torch.Tensor:
     return loss
 
 
-class DeepShardEngine(EngineReads, torch.nn.Module):
+class DeepShardEngine(EngineReads, EngineStates, torch.nn.Module):
     """The training engine `deepshard.engine.initialize` returns.
 
     Attributes:
@@ -154,6 +157,8 @@ class DeepShardEngine(EngineReads, torch.nn.Module):
         """Run the module's forward (under autocast / with fp16 inputs, and with the saved
         activations offloaded to the host, when configured)."""
         precision = self.parts.precision
+        if self.optimizer is not None:  # offloaded parameters are empty
+            self.optimizer.check_resident("engine.forward()")
         self.parts.profiling.before_forward(self.global_steps)
         offload = self.parts.config.activation_checkpointing.cpu_checkpointing
         saved_tensors = offload_saved_tensors() if offload else contextlib.nullcontext()
@@ -249,7 +254,7 @@ class DeepShardEngine(EngineReads, torch.nn.Module):
         if self.optimizer is not None:
             self.optimizer.set_boundary(self.is_gradient_accumulation_boundary())
 
-    def _require_optimizer(self, what: str) -> ZeroOptimizer:
+    def _require_optimizer(self, what: str, *, resident: bool = True) -> ZeroOptimizer:
         if self._destroyed:
             raise CommError(
                 f"engine.{what}() was called after engine.destroy(); build a new engine with "
@@ -265,6 +270,8 @@ class DeepShardEngine(EngineReads, torch.nn.Module):
                     )
                 ]
             )
+        if resident:
+            self.optimizer.check_resident(f"engine.{what}()")
         return self.optimizer
 
     @contextlib.contextmanager
@@ -319,6 +326,8 @@ class DeepShardEngine(EngineReads, torch.nn.Module):
         if self._destroyed:
             return
         if self.optimizer is not None:
+            if self.optimizer.offloaded_states:  # give the memory back before letting go
+                self.optimizer.reload_states()
             self.optimizer.zero_grad()
             self.optimizer.remove_hooks()
         self._destroyed = True

@@ -54,10 +54,6 @@ _REDUCTION = (
     "to choose when"
 )
 _COMPILE = "DeepShard does not carry DeepCompile; call torch.compile on the model before initialize"
-_OFFLOAD_STATES = (
-    "DeepShard cannot move optimizer states off the device and back between steps; configure "
-    "ZeRO offload in the config instead when it is available"
-)
 _BATCH_SIZE = (
     "the batch sizes are fixed when initialize reconciles them with the world; build a new "
     "engine with the new train_batch_size / train_micro_batch_size_per_gpu"
@@ -204,7 +200,6 @@ _FEATURES: dict[str, str] = {
         ),
         _COMPILE,
     ),
-    **_same(("offload_states", "reload_states"), _OFFLOAD_STATES),
     **_same(("set_train_batch_size", "set_train_micro_batch_size"), _BATCH_SIZE),
     **_same(("deepspeed_io", "training_dataloader"), _LOADER),
     **_same(("amp_enabled", "amp_params"), _AMP),

@@ -5,12 +5,30 @@
 `ZeroOptimizer` wraps any element-wise ``torch.optim.Optimizer`` (`build_zero_optimizer` builds
 it from a DeepSpeed config), and Muon through a `FullGradTransform` of whole gradients; the
 functional core (flat layout and partitioning, bucket planning, gradient arithmetic, norms) is
-importable on its own and needs no process group.
+importable on its own and needs no process group. ``ZeroOptimizer.offload_states`` /
+``reload_states`` move its states to host memory and back; the ``safe_get_*`` / ``safe_set_*``
+functions (`deepshard.zero.access`) read and write one parameter's master, gradient and state.
 """
 
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
 from deepshard.zero._settings import zero_problems
+from deepshard.zero._states import OFFLOAD_STATE_TYPES, OffloadReport
+from deepshard.zero.access import (
+    PartitionedOwner,
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+)
 from deepshard.zero.build import build_zero_optimizer
 from deepshard.zero.layout import (
     ALIGNMENT_BYTES,
@@ -30,6 +48,7 @@ from deepshard.zero.saved_tensors import OffloadStats, SavedTensorOffload, offlo
 
 __all__ = [
     "ALIGNMENT_BYTES",
+    "OFFLOAD_STATE_TYPES",
     "ZERO_SAFE_ATTRIBUTE",
     "Bucket",
     "FlatLayout",
@@ -37,9 +56,11 @@ __all__ = [
     "GatherCall",
     "GradNorm",
     "GradientReduction",
+    "OffloadReport",
     "OffloadStats",
     "ParamShard",
     "ParamSlot",
+    "PartitionedOwner",
     "PendingReduction",
     "Piece",
     "SavedTensorOffload",
@@ -54,6 +75,18 @@ __all__ = [
     "plan_flat_layout",
     "plan_gather_calls",
     "reduce_bucket",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
     "scale_factor",
     "torch_dtype",
     "zero_problems",

@@ -49,6 +49,8 @@ class BackwardPasses:
         self._boundary = False
         self._ready = False
         self._count = 0
+        self.guard: Callable[[str], None] | None = None
+        """Called before a pass starts; raises when the pass may not run (states offloaded)."""
 
     @property
     def in_pass(self) -> bool:
@@ -122,6 +124,8 @@ class BackwardPasses:
             self._no_sync_depth -= 1
 
     def _begin(self) -> None:
+        if self.guard is not None:
+            self.guard("backward()")
         if self._ready:
             raise CommError(
                 "a backward pass followed the accumulation boundary before step(): call step() "

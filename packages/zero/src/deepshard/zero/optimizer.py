@@ -56,11 +56,13 @@ from deepshard.zero._gradients import (
     StoreSettings,
 )
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
+from deepshard.zero._owner import ZeroPartitionAccess
 from deepshard.zero._passes import BackwardPasses
 from deepshard.zero._placements import param_names, registration_positions, resolve_placements
 from deepshard.zero._settings import message_sizes, zero_problems
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
+from deepshard.zero._states import StateOffload
 from deepshard.zero._step import NormSettings, StepResult, checked_norm, step_inner
 from deepshard.zero.layout import FlatLayout, plan_gather_calls
 from deepshard.zero.norms import check_norm_type, scale_factor
@@ -69,7 +71,7 @@ from deepshard.zero.reduction import GradientReduction
 __all__ = ["ParamShard", "StepResult", "ZeroOptimizer"]
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
     """Wraps ``optimizer`` so its state, master weights and (stage 2) gradients are partitioned.
 
     Args:
@@ -185,6 +187,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._store, ignore_unused_parameters=self.config.ignore_unused_parameters
         )
         self._hooks = self._passes.attach(self._params, self.layouts)
+        self._offloaded = {}  # the `offload_states` bookkeeping (deepshard.zero._states)
+        self._passes.guard = self.check_resident
 
     # --- construction -------------------------------------------------------------------
 
@@ -260,6 +264,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         if closure is not None or not loss_scale > 0:
             raise ConfigError("ZeroOptimizer.step takes no closure and a loss_scale > 0")
+        self.check_resident("step()")
         if not self._passes.ready:
             raise CommError(
                 "step() needs gradients reduced at an accumulation boundary: run a backward "
@@ -306,6 +311,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         if self._passes.in_pass:
             raise CommError("zero_grad() was called inside a backward pass")
+        self.check_resident("zero_grad()")
         self._store.clear()
         self._passes.consume()
         for params in self._params:
@@ -388,6 +394,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's masters, inner-optimizer state and transform buffers (same layout to
         reload)."""
+        self.check_resident("state_dict()")
         return partitioned_state(self, self._full)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -398,6 +405,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Raises:
             CheckpointError: The state was saved with another stage, world or layout.
         """
+        self.check_resident("load_state_dict()")
         load_partitioned_state(self, self._full, state_dict)
         self._refresh_params()
 

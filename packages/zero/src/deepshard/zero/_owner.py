@@ -1,0 +1,143 @@
+"""`ZeroOptimizer` as a `deepshard.zero.access.PartitionedOwner` (stages 0-2).
+
+Each trainable parameter's `ParamShard` says which flat range of it this rank's fp32 master
+partition holds and where (``local_offset``). The tensors laid out like the master partition are
+the master itself, the reduced gradient of the step (stage 0: the all-reduced buffer; stage 1:
+the fp32 partition filled by the boundary pass; stage 2: the partition accumulator) and the inner
+optimizer's state, which is kept per master *view* (`deepshard.zero._flat_params.master_views`):
+a parameter's piece may straddle views, so its state is the matching slices of several state
+tensors. The model's copy of every parameter is whole on every rank at stages 0-2.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepshard.interface import ShardMap, ShardPiece
+from deepshard.interface.errors import ConfigError
+from deepshard.zero._gradients import AccumulatedGradients, GradientStore, PartitionedGradients
+from deepshard.zero._shards import ParamShard
+
+if TYPE_CHECKING:
+    from deepshard.zero._passes import BackwardPasses
+    from deepshard.zero.access import StateKind
+
+__all__ = ["ZeroPartitionAccess"]
+
+
+def _grad_partition(store: GradientStore, group_index: int) -> torch.Tensor | None:
+    """The reduced gradient of a group laid out like its master partition, if it exists now."""
+    if isinstance(store, AccumulatedGradients):
+        if not store.partitioned:
+            return store.buffers[group_index]
+        return None if store.partitions is None else store.partitions[group_index]
+    assert isinstance(store, PartitionedGradients), "a gradient store of a known stage"
+    return store.accumulators[group_index]
+
+
+class ZeroPartitionAccess:
+    """The `PartitionedOwner` methods of `ZeroOptimizer` (a mixin: the optimizer sets the
+    attributes below)."""
+
+    inner: torch.optim.Optimizer
+    _params: list[list[torch.nn.Parameter]]
+    _masters: list[torch.Tensor]
+    _shards: tuple[ParamShard, ...]
+    _store: GradientStore
+    _passes: BackwardPasses
+    _group: torch.distributed.ProcessGroup
+    check_resident: Callable[[str], None]
+    """`deepshard.zero._states.StateOffload.check_resident` (the optimizer has both mixins)."""
+
+    @property
+    def partition_group(self) -> torch.distributed.ProcessGroup:
+        """The data-parallel group the shard maps' ranks refer to."""
+        return self._group
+
+    @functools.cached_property
+    def _shard_of(self) -> dict[int, tuple[int, ParamShard]]:
+        """Each trainable parameter's group index and shard, by ``id``."""
+        shards = iter(self._shards)
+        return {
+            id(param): (g, next(shards))
+            for g, params in enumerate(self._params)
+            for param in params
+        }
+
+    def _find(self, param: torch.Tensor) -> tuple[int, ParamShard] | None:
+        found = self._shard_of.get(id(param))
+        if found is None and param.requires_grad:
+            raise ConfigError(
+                f"this ZeroOptimizer does not train the parameter of shape {tuple(param.shape)}; "
+                "pass the ZeroOptimizer whose inner optimizer holds it (expert parameters have "
+                "their own), or set requires_grad=False on a parameter nothing trains"
+            )
+        return found
+
+    def param_shard_map(self, param: torch.Tensor) -> ShardMap | None:
+        """The shard map of ``param``'s fp32 master over `partition_group`; ``None`` when frozen.
+
+        Raises:
+            ConfigError: ``param`` is trainable but not one this optimizer holds.
+        """
+        found = self._find(param)
+        return None if found is None else found[1].shard_map
+
+    def local_views(
+        self, param: torch.Tensor, kind: StateKind, key: str | None = None
+    ) -> list[torch.Tensor] | None:
+        """This rank's elements of ``param``'s master, reduced gradient or inner state ``key``
+        (see `deepshard.zero.access.PartitionedOwner.local_views`).
+
+        Raises:
+            CommError: States are offloaded (`deepshard.zero.ZeroOptimizer.reload_states` first).
+            ConfigError: ``param`` is not one this optimizer holds, or ``key`` is no state.
+        """
+        self.check_resident(f"reading or writing a parameter's {kind}")
+        found = self._find(param)
+        if found is None:
+            return None
+        g, shard = found
+        spans = [(p.local_offset, p.local_offset + p.numel) for p in self._pieces(shard)]
+        if kind == "fp32":
+            return [self._masters[g][lo:hi] for lo, hi in spans]
+        if kind == "grad":
+            grads = _grad_partition(self._store, g) if self._passes.ready else None
+            return None if grads is None else [grads[lo:hi] for lo, hi in spans]
+        return [view for lo, hi in spans for view in self._state_slices(g, lo, hi, key)]
+
+    def _pieces(self, shard: ParamShard) -> list[ShardPiece]:
+        return list(shard.shard_map.pieces_of(self._group.rank()))
+
+    def _state_slices(self, g: int, lo: int, hi: int, key: str | None) -> list[torch.Tensor]:
+        """Slices of state ``key`` covering ``[lo, hi)`` of group ``g``'s master partition."""
+        master = self._masters[g]
+        keys: set[str] = set()
+        slices = []
+        for view in self.inner.param_groups[g]["params"]:
+            state = self.inner.state.get(view, {})
+            keys.update(k for k, v in state.items() if _flat_like(v, view))
+            start = view.storage_offset() - master.storage_offset()
+            a, b = max(lo, start), min(hi, start + view.numel())
+            if a < b and key in state and _flat_like(state[key], view):
+                slices.append(state[key].view(-1)[a - start : b - start])
+        if key not in keys:
+            raise ConfigError(
+                f"the inner optimizer has no per-element state {key!r}; it holds "
+                f"{sorted(keys) or 'none yet (state is created by its first step)'}"
+            )
+        return slices
+
+    def write_model_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy the whole fp32 ``value`` into the model's parameter (its dtype)."""
+        with torch.no_grad():
+            param.copy_(value.view(param.shape))
+
+
+def _flat_like(value: object, view: torch.Tensor) -> bool:
+    """Whether ``value`` is a per-element state tensor of the master view ``view``."""
+    return isinstance(value, torch.Tensor) and value.numel() == view.numel() and value.dim() > 0

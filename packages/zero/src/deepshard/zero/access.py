@@ -1,0 +1,355 @@
+"""Reading and writing one parameter's fp32 master, gradient and optimizer state under ZeRO.
+
+DeepSpeed's ``safe_get_full_fp32_param(param)`` family finds the optimizer through attributes it
+patches onto the parameter. DeepShard patches nothing and keeps no global registry, so each
+function here takes the *owner* as well: the object that holds the parameter's partitions, a
+`ZeroOptimizer` for stages 0-2 (``engine.safe_get_full_fp32_param(param)`` passes the engine's).
+
+*Full* functions work on the whole tensor, in the parameter's (unpartitioned) shape: a getter
+writes this rank's pieces, per the parameter's `deepshard.interface.ShardMap`, into a zero
+tensor and sums it over the owner's group with one all-reduce (DeepSpeed's method), so **every
+rank of the group must call it, in the same order**; when every rank holds the whole parameter
+(stage 0) there is nothing to gather and no collective. *Local* functions work on this rank's
+elements of the parameter: its pieces of the shard map back to back, as a 1-D tensor (empty
+where it holds none). Getters return fp32 copies; change values through the setters.
+
+* Optimizer state is the inner optimizer's, by key (``"exp_avg"``); it exists after the first
+  step. A full-gradient transform's buffers (Muon's momentum) are not reachable here.
+* Gradients are the reduced, accumulated gradients the next step applies; they exist between
+  the backward pass that ends an accumulation cycle and ``step()`` (or ``zero_grad()``), and the
+  getters return ``None`` at any other time. Under fp16 they still carry the loss scale, as in
+  DeepSpeed (divide by ``engine.loss_scale``).
+* A parameter the owner does not train because it is frozen gives ``None`` (DeepSpeed's answer for
+  a parameter without an fp32 copy); a trainable one the owner does not hold is a `ConfigError`.
+* Setting the fp32 parameter also updates the model's parameter (its copy in the model dtype),
+  so the next forward uses it; ``safe_set_local_fp32_param`` therefore gathers the parameter and
+  is a collective too (every rank passes its own piece).
+
+A stage-3 owner plugs in by implementing `PartitionedOwner`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, TypeAlias, runtime_checkable
+
+import torch
+
+from deepshard.comm import all_reduce
+from deepshard.interface import ShardMap, ShardPiece
+from deepshard.interface.errors import CommError, ConfigError
+
+__all__ = [
+    "PartitionedOwner",
+    "StateKind",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+]
+
+StateKind: TypeAlias = Literal["fp32", "grad", "state"]
+"""What `PartitionedOwner.local_views` returns: the fp32 master, the reduced gradient, or an
+optimizer state."""
+
+
+@runtime_checkable
+class PartitionedOwner(Protocol):
+    """What the ``safe_get_*`` / ``safe_set_*`` functions need from a parameter's owner.
+
+    ``ZeroOptimizer`` implements it for stages 0-2; a stage-3 owner implements the same four.
+    """
+
+    @property
+    def partition_group(self) -> torch.distributed.ProcessGroup:
+        """The group the shard maps' ranks refer to (the full getters all-reduce over it)."""
+        ...
+
+    def param_shard_map(self, param: torch.Tensor) -> ShardMap | None:
+        """Where the parameter's fp32 master elements live: one box (the parameter's shape, a
+        slice under tensor parallelism) cut into flat pieces over `partition_group`.
+
+        Returns:
+            ``None`` for a frozen parameter the owner does not train.
+
+        Raises:
+            ConfigError: A trainable parameter the owner does not hold.
+        """
+        ...
+
+    def local_views(
+        self, param: torch.Tensor, kind: StateKind, key: str | None = None
+    ) -> list[torch.Tensor] | None:
+        """Writable 1-D views of this rank's elements of ``kind`` for ``param``; concatenated,
+        they are the rank's pieces (``shard_map.pieces_of(rank)``) back to back.
+
+        Args:
+            param: A parameter `param_shard_map` maps.
+            kind: ``"fp32"`` (the master), ``"grad"`` (the reduced gradient) or ``"state"``.
+            key: The optimizer-state key, for ``"state"``.
+
+        Returns:
+            ``None`` for ``"grad"`` when no reduced gradient exists now.
+
+        Raises:
+            ConfigError: ``key`` is not a state of the inner optimizer.
+        """
+        ...
+
+    def write_model_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Write the whole fp32 ``value`` into the model's own copy of ``param`` on this rank
+        (its part of it, where the model copy is partitioned)."""
+        ...
+
+
+def _box(shard_map: ShardMap) -> tuple[int, ...]:
+    """The one box every piece of a group's map cuts (the parameter's shape)."""
+    boxes = {(p.box_offset, p.box_shape) for p in shard_map.pieces}
+    if len(boxes) != 1:
+        raise CommError(
+            f"the shard map spans {len(boxes)} boxes of a {shard_map.global_shape} tensor; the "
+            "owner's map must cut one box (the parameter's shape) over its group"
+        )
+    return next(iter(boxes))[1]
+
+
+def _needs_sum(shard_map: ShardMap, numel: int, group_size: int) -> bool:
+    """False when every rank of the group holds the whole box; True for disjoint pieces."""
+    whole = {p.rank for p in shard_map.pieces if p.flat_start == 0 and p.stop == numel}
+    if len(whole) == group_size:
+        return False
+    spans = sorted((p.flat_start, p.stop) for p in shard_map.pieces if p.numel)
+    if any(a_stop > b_start for (_, a_stop), (b_start, _) in itertools.pairwise(spans)):
+        raise CommError(
+            "the shard map mixes overlapping and partial pieces; the safe_get functions gather "
+            "replicated or disjoint pieces only"
+        )
+    return True
+
+
+def _concat(views: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A new fp32 tensor of the views' elements back to back."""
+    if not views:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    return torch.cat([v.reshape(-1).float() for v in views])
+
+
+@dataclass(frozen=True)
+class _Located:
+    """A parameter's shard map, its box (the parameter's shape) and this rank's pieces."""
+
+    shard_map: ShardMap
+    shape: tuple[int, ...]
+    pieces: tuple[ShardPiece, ...]
+    views: list[torch.Tensor] | None
+
+
+def _locate(
+    param: torch.Tensor, owner: PartitionedOwner, kind: StateKind, key: str | None
+) -> _Located | None:
+    """Where ``param``'s ``kind`` lives on this rank; ``None`` for a frozen parameter."""
+    shard_map = owner.param_shard_map(param)
+    if shard_map is None:
+        return None
+    pieces = shard_map.pieces_of(owner.partition_group.rank())
+    views = owner.local_views(param, kind, key)
+    return _Located(shard_map, _box(shard_map), pieces, views)
+
+
+def _gather(found: _Located, owner: PartitionedOwner, device: torch.device) -> torch.Tensor:
+    """The whole tensor from every rank's pieces (an all-reduce unless replicated)."""
+    full = torch.zeros(math.prod(found.shape), dtype=torch.float32, device=device)
+    local = _concat(found.views or [], device)
+    start = 0
+    for piece in found.pieces:
+        full[piece.flat_start : piece.stop].copy_(local[start : start + piece.numel])
+        start += piece.numel
+    group = owner.partition_group
+    if _needs_sum(found.shard_map, full.numel(), group.size()):
+        all_reduce(full, group=group).wait()
+    return full.view(found.shape)
+
+
+def _get(
+    param: torch.Tensor, owner: PartitionedOwner, kind: StateKind, key: str | None, *, full: bool
+) -> torch.Tensor | None:
+    found = _locate(param, owner, kind, key)
+    if found is None or found.views is None:
+        return None
+    if not full:
+        return _concat(found.views, param.device)
+    return _gather(found, owner, param.device)
+
+
+def _value(value: object, numel: int, shape: Sequence[int], what: str) -> torch.Tensor:
+    """``value`` as a flat fp32 tensor of ``numel`` elements."""
+    if not isinstance(value, torch.Tensor) or value.numel() != numel:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConfigError(
+            f"{what} needs a tensor of {numel} elements (shape {tuple(shape)}), got {got}"
+        )
+    return value.detach().reshape(-1).float()
+
+
+def _set(
+    param: torch.Tensor,
+    value: object,
+    owner: PartitionedOwner,
+    kind: StateKind,
+    key: str | None,
+    *,
+    full: bool,
+) -> None:
+    what = f"safe_set_{'full' if full else 'local'}_{_NAMES[kind]}"
+    found = _locate(param, owner, kind, key)
+    if found is None:
+        return  # a frozen parameter: nothing trains it
+    if found.views is None:
+        raise CommError(
+            f"{what}: no reduced gradient exists now; gradients live between the backward pass "
+            "that ends an accumulation cycle and step()"
+        )
+    whole = _value(value, math.prod(found.shape), found.shape, what) if full else None
+    if whole is not None:
+        local = _concat([whole[p.flat_start : p.stop] for p in found.pieces], param.device)
+    else:
+        numel = sum(p.numel for p in found.pieces)
+        local = _value(value, numel, (numel,), what)
+    with torch.no_grad():
+        start = 0
+        for view in found.views:
+            view.copy_(local[start : start + view.numel()].view(view.shape))
+            start += view.numel()
+    if kind == "fp32":  # the model's copy follows (the local setter gathers the whole master)
+        model = _gather(found, owner, param.device) if whole is None else whole.view(found.shape)
+        owner.write_model_param(param, model)
+
+
+_NAMES = {"fp32": "fp32_param", "grad": "grad", "state": "optimizer_state"}
+
+
+def safe_get_full_fp32_param(param: torch.Tensor, owner: PartitionedOwner) -> torch.Tensor | None:
+    """The whole fp32 master of ``param`` (a collective over the owner's group).
+
+    Returns:
+        A new fp32 tensor shaped like the parameter; ``None`` for a frozen parameter.
+    """
+    return _get(param, owner, "fp32", None, full=True)
+
+
+def safe_get_full_grad(param: torch.Tensor, owner: PartitionedOwner) -> torch.Tensor | None:
+    """The whole reduced fp32 gradient of ``param`` (a collective over the owner's group).
+
+    Returns:
+        ``None`` outside the window from the accumulation boundary's backward pass to ``step()``
+        (on every rank alike), or for a frozen parameter.
+    """
+    return _get(param, owner, "grad", None, full=True)
+
+
+def safe_get_full_optimizer_state(
+    param: torch.Tensor, owner: PartitionedOwner, optim_state_key: str
+) -> torch.Tensor | None:
+    """The whole fp32 optimizer state ``optim_state_key`` of ``param`` (a collective).
+
+    Raises:
+        ConfigError: The inner optimizer has no such state (none before its first step).
+    """
+    return _get(param, owner, "state", optim_state_key, full=True)
+
+
+def safe_get_local_fp32_param(param: torch.Tensor, owner: PartitionedOwner) -> torch.Tensor | None:
+    """This rank's elements of the fp32 master of ``param``, 1-D (no collective)."""
+    return _get(param, owner, "fp32", None, full=False)
+
+
+def safe_get_local_grad(param: torch.Tensor, owner: PartitionedOwner) -> torch.Tensor | None:
+    """This rank's elements of the reduced gradient of ``param``, 1-D, or ``None`` when no
+    reduced gradient exists now (no collective)."""
+    return _get(param, owner, "grad", None, full=False)
+
+
+def safe_get_local_optimizer_state(
+    param: torch.Tensor, owner: PartitionedOwner, optim_state_key: str
+) -> torch.Tensor | None:
+    """This rank's elements of the optimizer state ``optim_state_key`` of ``param``, 1-D."""
+    return _get(param, owner, "state", optim_state_key, full=False)
+
+
+def safe_set_full_fp32_param(
+    param: torch.Tensor, owner: PartitionedOwner, value: torch.Tensor
+) -> None:
+    """Set the whole fp32 master of ``param`` and the model's parameter to ``value``.
+
+    Every rank of the owner's group must call it with the same ``value`` (each keeps its part).
+
+    Raises:
+        ConfigError: ``value`` does not have the parameter's number of elements.
+    """
+    _set(param, value, owner, "fp32", None, full=True)
+
+
+def safe_set_full_grad(param: torch.Tensor, owner: PartitionedOwner, value: torch.Tensor) -> None:
+    """Replace the whole reduced gradient of ``param`` (same ``value`` on every rank).
+
+    Raises:
+        CommError: No reduced gradient exists now.
+        ConfigError: ``value`` has the wrong number of elements.
+    """
+    _set(param, value, owner, "grad", None, full=True)
+
+
+def safe_set_full_optimizer_state(
+    param: torch.Tensor, owner: PartitionedOwner, value: torch.Tensor, optim_state_key: str
+) -> None:
+    """Set the whole optimizer state ``optim_state_key`` of ``param`` (same ``value`` on every
+    rank).
+
+    Raises:
+        ConfigError: No such state, or ``value`` has the wrong number of elements.
+    """
+    _set(param, value, owner, "state", optim_state_key, full=True)
+
+
+def safe_set_local_fp32_param(
+    param: torch.Tensor, owner: PartitionedOwner, value: torch.Tensor
+) -> None:
+    """Set this rank's elements of the fp32 master of ``param``, then refresh the model's
+    parameter from the whole master: a collective, every rank passing its own piece.
+
+    Raises:
+        ConfigError: ``value`` does not have this rank's number of elements.
+    """
+    _set(param, value, owner, "fp32", None, full=False)
+
+
+def safe_set_local_grad(param: torch.Tensor, owner: PartitionedOwner, value: torch.Tensor) -> None:
+    """Set this rank's elements of the reduced gradient of ``param`` (no collective).
+
+    Raises:
+        CommError: No reduced gradient exists now.
+        ConfigError: ``value`` has the wrong number of elements.
+    """
+    _set(param, value, owner, "grad", None, full=False)
+
+
+def safe_set_local_optimizer_state(
+    param: torch.Tensor, owner: PartitionedOwner, value: torch.Tensor, optim_state_key: str
+) -> None:
+    """Set this rank's elements of the optimizer state ``optim_state_key`` (no collective).
+
+    Raises:
+        ConfigError: No such state, or ``value`` has the wrong number of elements.
+    """
+    _set(param, value, owner, "state", optim_state_key, full=False)

@@ -1,4 +1,7 @@
-"""ZeRO stages 0-2: partitioned optimizer state, master weights and gradients over data parallelism.
+"""ZeRO stages 0-3: partitioned optimizer state, master weights, gradients and parameters.
+
+Stage 3 is two verbs: `shard` partitions a model's parameters (the model side, a
+`ShardedModule`), and ``ZeroOptimizer(inner, sharded_module)`` steps the partitions.
 
 `ZeroOptimizer` wraps any element-wise ``torch.optim.Optimizer`` (`build_zero_optimizer` builds
 it from a DeepSpeed config), and Muon through a `FullGradTransform` of whole gradients; the
@@ -8,7 +11,12 @@ importable on its own and needs no process group.
 
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
+from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._settings import zero_problems
+from deepshard.zero._shard import register_external_parameter, shard, shard_info
+from deepshard.zero._shard_info import ShardInfo
+from deepshard.zero._sharded import ShardedModule
+from deepshard.zero._stage3_optimizer import Stage3Optimizer
 from deepshard.zero.build import build_zero_optimizer
 from deepshard.zero.layout import (
     ALIGNMENT_BYTES,
@@ -36,10 +44,14 @@ __all__ = [
     "GradientReduction",
     "ParamShard",
     "ParamSlot",
+    "ShardInfo",
+    "ShardedModule",
+    "Stage3Optimizer",
     "PendingReduction",
     "Piece",
     "StepResult",
     "ZeroOptimizer",
+    "ZeroPolicy",
     "build_zero_optimizer",
     "gather_copies",
     "global_grad_norm",
@@ -48,7 +60,10 @@ __all__ = [
     "plan_flat_layout",
     "plan_gather_calls",
     "reduce_bucket",
+    "register_external_parameter",
     "scale_factor",
+    "shard",
+    "shard_info",
     "torch_dtype",
     "zero_problems",
 ]

@@ -75,7 +75,7 @@ class UnitState:
             return
         storage = self.buffer.untyped_storage()
         storage.resize_(self.numel * self.buffer.element_size())
-        if self.world == 1:
+        if self.world == 1 or self.numel == 0:  # nothing to communicate
             self.buffer.copy_(self.partition)
             self.gathered = True
             self._point_params()

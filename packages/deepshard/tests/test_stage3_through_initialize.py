@@ -2,9 +2,10 @@
 under ``torch.no_grad()``, and leaves ``engine.module`` the user's module.
 
 2 ranks, the engine tests' MLP (a ``Sequential``: no ``_no_split_modules``, no ``ModuleList``,
-so by the default rule it is one unit, the root) and tiny Llama (units: its decoder layers), fp32, gradient accumulation 1 and 2, `STEPS` AdamW steps with
-clipping, against the single-process reference (`_models.reference`): losses 1e-5 relative,
-parameters ``||p - p_ref|| / ||p_ref|| <= 1e-5`` (the stage 0-2 engine test's bounds).
+so by the default rule it is one unit, the root) and tiny Llama (units: its decoder layers),
+fp32, gradient accumulation 1 and 2, `STEPS` AdamW steps with clipping, against the
+single-process reference (`_models.reference`): losses 1e-5 relative, parameters
+``||p - p_ref|| / ||p_ref|| <= 1e-5`` (the stage 0-2 engine test's bounds).
 """
 
 from __future__ import annotations

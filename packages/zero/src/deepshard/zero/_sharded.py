@@ -135,7 +135,7 @@ class ShardedModule:
             self.fetcher.acquire_for_backward(index, position)
 
         for tensor in tensors:
-            tensor.register_hook(on_grad)
+            tensor.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
     def _grad_hook(self, index: int, slot_index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ partition is chunk ``r`` of the buffer and one all-gather rebuilds the whole uni
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from deepshard.interface.errors import ConfigError
@@ -146,4 +147,3 @@ def _layout(name: str, params: list[torch.nn.Parameter], world_size: int) -> Fla
         world_size=world_size,
         bucket_numel=_ONE_BUCKET,
     )
-

@@ -46,6 +46,7 @@ def _train(mesh: Any) -> dict[Any, Any]:
                 engine.step()
             losses.append(total)
         sharded = optimizer.sharded_module
+        memory = engine.memory_bytes()  # released: the partitions are what remains
         engine.eval()
         with torch.no_grad():
             evaluated = loss_of(engine, batch_of(0), torch.float32).item()
@@ -57,6 +58,9 @@ def _train(mesh: Any) -> dict[Any, Any]:
             "eval": evaluated,
             "live": sharded.live_numel(),
             "stage": optimizer.stage,
+            "param_bytes": memory.parameters,
+            "partition_bytes": sharded.partition_bytes(),
+            "full_bytes": sum(4 * p.numel() for p in params.values()),
         }
     return results
 
@@ -79,3 +83,6 @@ def test_stage3_engine_matches_single_process(tmp_path: Path) -> None:
         # no_grad evaluation of the trained model: the loss of step 0's batch, equal on ranks
         assert results[0]["eval"] == results[1]["eval"]
         assert results[0]["live"] == 0  # released after the no_grad forward
+        # the engine's memory report counts this rank's partitions: about half the model
+        for r in results:
+            assert r["param_bytes"] >= r["partition_bytes"] >= r["full_bytes"] // 2

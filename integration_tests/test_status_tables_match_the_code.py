@@ -80,8 +80,9 @@ def test_rows_of_the_feature_table_name_real_packages() -> None:
 
 def test_the_config_reference_notes_each_covered_field() -> None:
     notes = _tool().field_notes()
-    assert notes[("ZeroConfig", "stage")].startswith("**Status: planned** (refused when `3`")
-    assert "ZeRO stage 3" in notes[("ZeroConfig", "stage")]
+    assert notes[("ZeroConfig", "offload_param")].startswith("**Status: planned**")
+    assert "ZeRO-3 parameter offload" in notes[("ZeroConfig", "offload_param")]
+    assert ("ZeroConfig", "stage") not in notes  # stage 3 runs: no note
     assert notes[("TensorBoardConfig", "output_path")].startswith("**Status: accepted, ignored**")
     assert ("ZeroConfig", "reduce_bucket_size") not in notes  # available: no note
     assert ("MoeConfig", "ep_size") not in notes  # an available row under an ignored section

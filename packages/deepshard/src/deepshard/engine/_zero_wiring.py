@@ -14,6 +14,10 @@ Muon is not element-wise: its ``use_muon`` matrices need their whole reduced gra
 `deepshard.optimizers.Muon` the engine hands ZeRO a full-gradient transform (``muon_update``
 with the momentum as ZeRO's persistent buffer) for exactly those parameters; ZeRO all-reduces
 their buckets whole and gives Muon the finished update (see `deepshard.zero.FullGradTransform`).
+
+Stage 3 shards the (cast) model first (`deepshard.zero.shard` on ``dims.dense_dp`` with the
+policy of the ``zero_optimization`` section), then builds the optimizer side on it; the module
+stays the user's object.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.comm import CommsLogger, ParallelDims
 from deepshard.interface import DeepShardConfig, PlacementRegistry
+from deepshard.interface.errors import ConfigError
 from deepshard.optimizers import Muon, muon_update
-from deepshard.zero import ZeroOptimizer, build_zero_optimizer
+from deepshard.zero import ZeroOptimizer, ZeroPolicy, build_zero_optimizer, shard
+from deepshard.zero.reduction import GradientReduction, torch_dtype
 
 __all__ = ["parallel_dims", "wrap_with_zero"]
 
@@ -67,6 +73,31 @@ def wrap_with_zero(
     """
     placements = PlacementRegistry.replicated(module.named_parameters(), dims.topology)
     muon = isinstance(optimizer, Muon)
+    sharded = None
+    if config.zero_optimization.stage == 3:
+        if muon:  # refused before the model is sharded
+            raise ConfigError.from_problems(
+                [("optimizer", "Muon is not wired at ZeRO stage 3 yet; use stage 2 with Muon")]
+            )
+        policy = ZeroPolicy.from_config(
+            config.zero_optimization,
+            reduction=GradientReduction.from_names(
+                op=config.gradient_allreduce_op,
+                prescale=config.prescale_gradients,
+                predivide_factor=config.gradient_predivide_factor,
+                dtype=config.communication_data_type,
+            ),
+            grad_accum_dtype=torch_dtype(
+                config.data_types.grad_accum_dtype, key="data_types.grad_accum_dtype"
+            ),
+        )
+        sharded = shard(
+            module,
+            parallel_dims=dims,
+            policy=policy,
+            placements=placements,
+            comms_logger=comms_logger,
+        )
     return build_zero_optimizer(
         optimizer,
         config,
@@ -76,6 +107,7 @@ def wrap_with_zero(
         placements=placements,
         full_grad_transform=_muon_transform if muon else None,
         transformed_params=_muon_params(optimizer) if muon else (),
+        sharded_module=sharded,
     )
 
 

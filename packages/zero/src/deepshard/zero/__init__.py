@@ -1,4 +1,7 @@
-"""ZeRO stages 0-2: partitioned optimizer state, master weights and gradients over data parallelism.
+"""ZeRO stages 0-3: partitioned optimizer state, master weights, gradients and parameters.
+
+Stage 3 is two verbs: `shard` partitions a model's parameters (the model side, a
+`ShardedModule`), and ``ZeroOptimizer(inner, sharded_module)`` steps the partitions.
 
 `offload_saved_tensors` moves the activations autograd saves to host memory until backward.
 
@@ -12,7 +15,12 @@ functions (`deepshard.zero.access`) read and write one parameter's master, gradi
 
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
+from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._settings import zero_problems
+from deepshard.zero._shard import register_external_parameter, shard, shard_info
+from deepshard.zero._shard_info import ShardInfo
+from deepshard.zero._sharded import ShardedModule
+from deepshard.zero._stage3_optimizer import Stage3Optimizer
 from deepshard.zero._states import OFFLOAD_STATE_TYPES, OffloadReport
 from deepshard.zero.access import (
     PartitionedOwner,
@@ -64,8 +72,12 @@ __all__ = [
     "PendingReduction",
     "Piece",
     "SavedTensorOffload",
+    "ShardInfo",
+    "ShardedModule",
+    "Stage3Optimizer",
     "StepResult",
     "ZeroOptimizer",
+    "ZeroPolicy",
     "build_zero_optimizer",
     "gather_copies",
     "global_grad_norm",
@@ -75,6 +87,7 @@ __all__ = [
     "plan_flat_layout",
     "plan_gather_calls",
     "reduce_bucket",
+    "register_external_parameter",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
@@ -88,6 +101,8 @@ __all__ = [
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
     "scale_factor",
+    "shard",
+    "shard_info",
     "torch_dtype",
     "zero_problems",
 ]

@@ -1,4 +1,4 @@
-"""What of a config ZeRO stages 0-2 can run, and the message sizes it communicates in.
+"""What of a config ZeRO can run, and the message sizes it communicates in.
 
 Settings this package does not run are refused with the key path to change (`zero_problems`).
 
@@ -46,7 +46,9 @@ def message_sizes(config: ZeroConfig, param_groups: Iterable[Mapping[str, Any]])
     return bucket, gather
 
 
-def zero_problems(config: ZeroConfig, *, gradient_clipping: float) -> list[tuple[str, str]]:
+def zero_problems(
+    config: ZeroConfig, *, gradient_clipping: float, sharded: bool | None = None
+) -> list[tuple[str, str]]:
     """Every setting of ``config`` this package refuses, as ``(key path, message)``.
 
     The features not there yet (stage 3, offload) come from the feature table
@@ -56,11 +58,21 @@ def zero_problems(config: ZeroConfig, *, gradient_clipping: float) -> list[tuple
     Args:
         config: The ``zero_optimization`` section.
         gradient_clipping: The top-level ``gradient_clipping``.
+        sharded: Whether the optimizer wraps a sharded model (stage 3 needs one, stages 0-2
+            refuse one); ``None`` checks neither (the engine, which shards at stage 3 itself).
 
     Returns:
         One ``(key path, message)`` per problem; empty when ZeRO runs the settings.
     """
     problems = planned_problems(DeepShardConfig(zero_optimization=config))
+    if sharded is not None and sharded != (config.stage == 3):
+        fix = (
+            "3 partitions the parameters: shard the model with deepshard.zero.shard and pass "
+            "ZeroOptimizer(inner, sharded_module)"
+            if config.stage == 3
+            else f"{config.stage} got a sharded module; a ShardedModule needs stage 3"
+        )
+        problems.insert(0, ("zero_optimization.stage", fix))
     if gradient_clipping < 0:
         problems.append(
             ("gradient_clipping", f"must be >= 0 (0 disables), got {gradient_clipping}")

@@ -8,7 +8,10 @@ import torch
 
 from deepshard.comm import CommsLogger, Group
 from deepshard.interface import DeepShardConfig, PlacementRegistry
+from deepshard.interface.errors import ConfigError
 from deepshard.zero._full_grads import FullGradTransform
+from deepshard.zero._sharded import ShardedModule
+from deepshard.zero._stage3_optimizer import Stage3Optimizer
 from deepshard.zero.optimizer import ZeroOptimizer
 from deepshard.zero.reduction import GradientReduction, torch_dtype
 
@@ -25,6 +28,7 @@ def build_zero_optimizer(
     placements: PlacementRegistry | None = None,
     full_grad_transform: FullGradTransform | None = None,
     transformed_params: Iterable[torch.Tensor] = (),
+    sharded_module: ShardedModule | None = None,
 ) -> ZeroOptimizer:
     """Wrap ``optimizer`` as the config says.
 
@@ -46,13 +50,18 @@ def build_zero_optimizer(
             ``muon_update`` with the momentum as the buffer (see `ZeroOptimizer`).
         transformed_params: Whole param groups of ``optimizer`` to transform (Muon's
             ``use_muon`` groups).
+        sharded_module: At stage 3, the model side (`deepshard.zero.shard`); the gradient
+            settings then live in its policy.
 
     Returns:
         The wrapper; call its ``backward`` and ``step``.
 
     Raises:
-        ConfigError: As `ZeroOptimizer` does.
+        ConfigError: As `ZeroOptimizer` does; stage 3 without ``sharded_module`` or with a
+            full-gradient transform (Muon).
     """
+    if config.zero_optimization.stage == 3:
+        return _stage3(optimizer, config, sharded_module, full_grad_transform, comms_logger)
     reduction = GradientReduction.from_names(
         op=config.gradient_allreduce_op,
         prescale=config.prescale_gradients,
@@ -73,4 +82,32 @@ def build_zero_optimizer(
         placements=placements,
         full_grad_transform=full_grad_transform,
         transformed_params=transformed_params,
+    )
+
+
+def _stage3(
+    optimizer: torch.optim.Optimizer,
+    config: DeepShardConfig,
+    sharded: ShardedModule | None,
+    transform: FullGradTransform | None,
+    comms_logger: CommsLogger | None,
+) -> ZeroOptimizer:
+    problems = []
+    if sharded is None:
+        problems.append(
+            ("zero_optimization.stage", "3 needs the model sharded first: pass sharded_module=")
+        )
+    if transform is not None:
+        problems.append(
+            ("optimizer", "Muon's full-gradient path is not wired at ZeRO stage 3 yet; use stage 2")
+        )
+    if problems or sharded is None:
+        raise ConfigError.from_problems(problems)
+    return Stage3Optimizer(
+        optimizer,
+        sharded,
+        config=config.zero_optimization,
+        gradient_clipping=config.gradient_clipping,
+        zero_allow_untested_optimizer=config.zero_allow_untested_optimizer,
+        comms_logger=comms_logger,
     )

@@ -60,6 +60,7 @@ from deepshard.zero._owner import ZeroPartitionAccess
 from deepshard.zero._passes import BackwardPasses
 from deepshard.zero._placements import param_names, registration_positions, resolve_placements
 from deepshard.zero._settings import message_sizes, zero_problems
+from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
 from deepshard.zero._states import StateOffload
@@ -115,6 +116,14 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
         CommError: ``group`` is a mesh with more than one axis, or not a group.
     """
 
+    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ZeroOptimizer:
+        """``ZeroOptimizer(inner, sharded_module)`` is stage 3 (`deepshard.zero.shard`)."""
+        if cls is ZeroOptimizer and args and isinstance(args[0], ShardedModule):
+            from deepshard.zero._stage3_optimizer import Stage3Optimizer  # it subclasses this
+
+            return super().__new__(Stage3Optimizer)
+        return super().__new__(cls)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -135,7 +144,7 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
         self.config = config if config is not None else ZeroConfig()
         allow_untested = zero_allow_untested_optimizer or full_grad_transform is not None
         # Every refusal at once, before anything is built.
-        problems = zero_problems(self.config, gradient_clipping=gradient_clipping)
+        problems = zero_problems(self.config, gradient_clipping=gradient_clipping, sharded=False)
         problems += optimizer_problems(optimizer, allow_untested=allow_untested)
         if problems:
             raise ConfigError.from_problems(problems)

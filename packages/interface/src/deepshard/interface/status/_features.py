@@ -19,12 +19,7 @@ _SET_FALSE = "set it to false or remove it"
 _STAGE3 = "ZeRO stage 3 setting (no effect at stages 0-2)"
 
 _STAGE3_KEYS = (
-    "sub_group_size",
-    "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold",
     "stage3_model_persistence_threshold",
-    "stage3_max_live_parameters",
-    "stage3_max_reuse_distance",
     "stage3_gather_16bit_weights_on_model_save",
     "stage3_module_granularity_threshold",
     "stage3_use_all_reduce_for_fetch_params",
@@ -43,14 +38,6 @@ _STAGE3_KEYS = (
 )
 
 _PLANNED = (
-    FeatureStatus(
-        "zero_optimization.stage",
-        "planned",
-        "ZeRO stage 3",
-        _ZERO,
-        When("equals", 3),
-        fix="use stage 0, 1 or 2",
-    ),
     FeatureStatus(
         "zero_optimization.offload_optimizer",
         "planned",

@@ -1,0 +1,111 @@
+"""`shard`: ZeRO stage 3's one verb — partition a model's parameters over data parallelism.
+
+``shard(model, parallel_dims=dims, policy=ZeroPolicy(...))`` cuts the model into units
+(`deepshard.zero._units`), moves each unit's parameters into its flat layout, keeps this rank's
+chunk, frees the rest and attaches the gather/release hooks (`deepshard.zero._sharded`). The
+model keeps its class, its ``nn.Parameter`` objects and their names; nothing is patched onto
+them. The returned `ShardedModule` is what the optimizer side (`deepshard.zero.ZeroOptimizer`
+given it as second argument) and `shard_info` work through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepshard.comm import CommsLogger, Group, ParallelDims, resolve_group
+from deepshard.interface import PlacementRegistry
+from deepshard.interface.errors import ConfigError
+from deepshard.zero._policy import ZeroPolicy
+from deepshard.zero._shard_info import ShardInfo, build_shard_infos
+from deepshard.zero._sharded import ShardedModule, UnitHook
+from deepshard.zero._unit_state import UnitState
+from deepshard.zero._units import plan_units
+
+__all__ = ["register_external_parameter", "shard", "shard_info", "sharded_module_of"]
+
+
+def sharded_module_of(module: torch.nn.Module) -> ShardedModule | None:
+    """The `ShardedModule` whose unit ``module`` is, found through its own forward hooks."""
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, UnitHook):
+            return hook.sharded
+    return None
+
+
+def shard(
+    module: torch.nn.Module,
+    *,
+    parallel_dims: ParallelDims | None = None,
+    group: Group | None = None,
+    policy: ZeroPolicy | None = None,
+    placements: PlacementRegistry | None = None,
+    comms_logger: CommsLogger | None = None,
+) -> ShardedModule:
+    """Partition ``module``'s parameters over the dense data-parallel group (ZeRO stage 3).
+
+    Move and cast the model first: partitions keep the parameters' device and dtype.
+
+    Args:
+        module: The model; it stays the user's object.
+        parallel_dims: The training mesh; its ``dense_dp`` group partitions the parameters.
+        group: Instead of ``parallel_dims``, the data-parallel group (a ProcessGroup or 1-D
+            mesh).
+        policy: Units, prefetch/reuse/persistence knobs, mixed precision; the defaults of
+            `ZeroPolicy` when ``None``.
+        placements: Every parameter's placement (its global shape and reduction axes), from
+            which the shard maps are derived; ``None``: every parameter whole on every rank.
+        comms_logger: Records every all-gather and reduce-scatter.
+
+    Returns:
+        The handle that gathers, releases and reduces.
+
+    Raises:
+        ConfigError: ``module`` is already sharded, neither or both of ``parallel_dims`` and
+            ``group`` are given, or a unit mixes dtypes or devices.
+        TopologyError: A placement does not fit its parameter or the group.
+    """
+    if (parallel_dims is None) == (group is None):
+        raise ConfigError(
+            "shard() needs exactly one of parallel_dims= (a deepshard.comm.ParallelDims) or "
+            "group= (the data-parallel group)"
+        )
+    if any(sharded_module_of(m) is not None for m in module.modules()):
+        raise ConfigError(
+            f"{type(module).__name__} is already sharded (ZeRO stage 3); shard a model once, "
+            "or call remove_hooks() on its ShardedModule first"
+        )
+    policy = policy if policy is not None else ZeroPolicy()
+    pg = resolve_group(parallel_dims.dense_dp if parallel_dims is not None else group)
+    if policy.param_dtype is not None:
+        module.to(policy.param_dtype)
+    plans = plan_units(module, policy, world_size=pg.size())
+    infos = build_shard_infos(plans, pg, placements)
+    states = [UnitState(plan, pg, comms_logger) for plan in plans]
+    for state in states:
+        state.release()
+    return ShardedModule(module, plans, states, infos, pg, policy, comms_logger)
+
+
+def register_external_parameter(module: torch.nn.Module, param: torch.Tensor) -> None:
+    """Make ``module`` (a unit of a sharded model) gather ``param`` whenever it runs.
+
+    For a parameter used outside the module that owns it (DeepSpeed's function of the same
+    name); the `ShardedModule` is found through the hooks on ``module``.
+
+    Raises:
+        ConfigError: ``module`` is not a unit of a sharded model, or ``param`` not one of its
+            parameters.
+    """
+    sharded = sharded_module_of(module)
+    if sharded is None:
+        raise ConfigError(
+            f"register_external_parameter: {type(module).__name__} is not a unit of a model "
+            "sharded by deepshard.zero.shard; pass a unit's module (or use "
+            "ShardedModule.register_external_parameter)"
+        )
+    sharded.register_external_parameter(module, param)
+
+
+def shard_info(sharded: ShardedModule, param: torch.Tensor) -> ShardInfo:
+    """``sharded.shard_info(param)``: the full shape, numel, dtype, slice and `ShardMap`."""
+    return sharded.shard_info(param)

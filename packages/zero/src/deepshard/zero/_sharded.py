@@ -1,0 +1,327 @@
+"""`ShardedModule`: the handle of a model partitioned by `deepshard.zero.shard` (ZeRO stage 3).
+
+Hooks, all on DeepShard's side (the model keeps its class, parameters and names):
+
+* **forward pre/post** on every unit's module: gather (and prefetch), then release as the
+  `deepshard.zero._fetcher.Fetcher` decides; the root's hooks bracket a forward pass.
+* **output gradients**: the forward post-hook puts a hook on each output tensor that requires
+  grad (``torch.utils._pytree`` flattening, so tuples, dicts and HF ``ModelOutput`` work); the
+  first gradient to arrive re-gathers the unit for its backward and prefetches the units before
+  it. The first backward hook of a pass queues an autograd end-of-pass callback.
+* **post-accumulate-grad** on every trainable parameter: the gradient leaves ``param.grad``;
+  when a unit has all of them it is released, and units are reduce-scattered into their
+  gradient partitions in one fixed order on every rank (reverse unit order) through a
+  `deepshard.zero._scheduler.BucketScheduler`, at most two in flight with ``overlap_comm``.
+* **end of pass**: units whose parameters got no gradient are reduced with zeros (so every rank
+  issues the same collectives), every reduction is waited for, and everything not resident is
+  released.
+
+Observers (the optimizer side) are told when a backward pass begins and ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.autograd import Variable
+
+from deepshard.comm import CommsLogger
+from deepshard.interface.errors import CommError, ConfigError
+from deepshard.zero._fetcher import Fetcher
+from deepshard.zero._policy import ZeroPolicy
+from deepshard.zero._scheduler import BucketScheduler
+from deepshard.zero._shard_info import ShardInfo
+from deepshard.zero._unit_state import UnitState
+from deepshard.zero._units import UnitPlan
+
+__all__ = ["PassObserver", "ShardedModule", "UnitHook"]
+
+PassObserver = tuple[Callable[[], None], Callable[[], None]]
+"""``(on_begin, on_end)`` of every backward pass."""
+
+
+class UnitHook:
+    """The forward pre-hook on a unit's module; it names the `ShardedModule` it belongs to."""
+
+    def __init__(self, sharded: ShardedModule, index: int) -> None:
+        self.sharded, self.index = sharded, index
+        self.positions: list[int] = []
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.sharded._pre_forward(self)
+
+    def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The forward post-hook."""
+        self.sharded._post_forward(self, output)
+
+
+class ShardedModule:
+    """A model whose parameters are partitioned over a data-parallel group (build with `shard`).
+
+    Args:
+        module: The model.
+        plans: Its units.
+        states: Their run-time state (partitions, buffers).
+        infos: Every owned parameter's `ShardInfo` by ``id``.
+        group: The data-parallel group (a ProcessGroup).
+        policy: The knobs.
+        logger: Records the collectives.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        plans: tuple[UnitPlan, ...],
+        states: list[UnitState],
+        infos: dict[int, ShardInfo],
+        group: torch.distributed.ProcessGroup,
+        policy: ZeroPolicy,
+        logger: CommsLogger | None,
+    ) -> None:
+        self.module, self.plans, self.units = module, plans, states
+        self.group, self.policy, self._infos = group, policy, infos
+        self._logger = logger
+        self._externals = [set(p.external) for p in plans]
+        self.fetcher = Fetcher(states, policy, self._externals)
+        members = {p.index: len(s.trainable) for p, s in zip(plans, states, strict=True)}
+        order = [p.index for p in reversed(plans)]
+        inflight = 2 if policy.overlap_comm else 0
+        self._scheduler = BucketScheduler(order, members, self._launch, inflight)
+        self._arrived: list[set[int]] = [set() for _ in plans]
+        self._observers: list[PassObserver] = []
+        self._in_pass = False
+        self._passes = 0
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._attach()
+
+    # --- hooks ------------------------------------------------------------------------
+
+    def _attach(self) -> None:
+        for plan, state in zip(self.plans, self.units, strict=True):
+            hook = UnitHook(self, plan.index)
+            self._hooks.append(plan.module.register_forward_pre_hook(hook))
+            self._hooks.append(plan.module.register_forward_hook(hook.post))
+            for slot_index in state.trainable:
+                param = plan.params[slot_index]
+                grad_hook = self._grad_hook(plan.index, slot_index)
+                self._hooks.append(param.register_post_accumulate_grad_hook(grad_hook))  # type: ignore[no-untyped-call]
+
+    def _pre_forward(self, hook: UnitHook) -> None:
+        root = hook.index == 0
+        if root:
+            self.fetcher.begin_forward()
+        hook.positions.append(self.fetcher.acquire(hook.index, record=not root))
+
+    def _post_forward(self, hook: UnitHook, output: Any) -> None:
+        position = hook.positions.pop()
+        grad = torch.is_grad_enabled()
+        if grad and hook.index != 0:
+            self._hook_outputs(hook.index, position, output)
+        self.fetcher.after_forward(hook.index, position, grad_enabled=grad)
+        if hook.index == 0:
+            self.fetcher.end_forward(grad_enabled=grad)
+
+    def _hook_outputs(self, index: int, position: int, output: Any) -> None:
+        tensors = [
+            t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+
+        def on_grad(grad: torch.Tensor) -> None:
+            self._begin_pass_once()
+            self.fetcher.acquire_for_backward(index, position)
+
+        for tensor in tensors:
+            tensor.register_hook(on_grad)  # type: ignore[no-untyped-call]
+
+    def _grad_hook(self, index: int, slot_index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            if grad is None:
+                return
+            self._begin_pass_once()
+            self.units[index].take_grad(slot_index, grad)
+            self._arrived[index].add(slot_index)
+            self._scheduler.arrived(index, slot_index)
+            if len(self._arrived[index]) == len(self.units[index].trainable):
+                self.fetcher.grads_complete(index)
+
+        return hook
+
+    # --- backward passes --------------------------------------------------------------
+
+    def add_pass_observer(self, on_begin: Callable[[], None], on_end: Callable[[], None]) -> None:
+        """Call ``on_begin`` when a backward pass starts and ``on_end`` once it is reduced."""
+        self._observers.append((on_begin, on_end))
+
+    @property
+    def in_pass(self) -> bool:
+        """Whether a backward pass is running."""
+        return self._in_pass
+
+    def _begin_pass_once(self) -> None:
+        if self._in_pass:
+            return
+        self._begin_pass()
+        Variable._execution_engine.queue_callback(self._end_pass)
+
+    def _begin_pass(self) -> None:
+        for on_begin, _ in self._observers:
+            on_begin()
+        self._in_pass = True
+        self._passes += 1
+        self._scheduler.begin(reducing=True)
+        for seen in self._arrived:
+            seen.clear()
+
+    def _end_pass(self) -> None:
+        self._in_pass = False
+        self._scheduler.flush()
+        self.fetcher.end_backward()
+        missing = sum(count for _, count in self._scheduler.missing())
+        if missing and not self.policy.ignore_unused_parameters:
+            raise ConfigError.from_problems(
+                [
+                    (
+                        "zero_optimization.ignore_unused_parameters",
+                        f"false, but {missing} parameters got no gradient in this backward "
+                        "pass; set it to true (they then count as zero) or freeze them",
+                    )
+                ]
+            )
+        for _, on_end in self._observers:
+            on_end()
+
+    def _launch(self, index: int) -> Callable[[], None]:
+        return self.units[index].launch_reduce(
+            self.policy.reduction,
+            accum_dtype=self.policy.grad_accum_dtype,
+            bucket_numel=self.policy.reduce_bucket_size,
+            async_op=self.policy.overlap_comm,
+        )
+
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
+        """``loss.backward()``; a rank whose loss reached no unit still takes part in the
+        reductions (with zeros)."""
+        before = self._passes
+        loss.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
+        if self._passes == before:
+            self._begin_pass()
+            self._end_pass()
+
+    # --- what the optimizer side reads and writes -------------------------------------
+
+    def grad_partitions(self) -> list[torch.Tensor | None]:
+        """Each unit's reduced gradient partition (``None`` before its first reduction)."""
+        return [u.grad_partition for u in self.units]
+
+    def clear_grads(self) -> None:
+        """Drop the gradient partitions (the step consumed them)."""
+        for u in self.units:
+            u.grad_partition = None
+            u.pending.clear()
+
+    def partitions_updated(self) -> None:
+        """The partitions changed (optimizer step): release everything gathered, now stale."""
+        self.fetcher.release_all()
+
+    # --- inspection -------------------------------------------------------------------
+
+    def shard_info(self, param: torch.Tensor) -> ShardInfo:
+        """The full shape, dtype, this rank's slice and the `ShardMap` of ``param``.
+
+        Raises:
+            ConfigError: ``param`` is not a parameter of this sharded model.
+        """
+        info = self._infos.get(id(param))
+        if info is None:
+            raise ConfigError(
+                "shard_info() got a tensor that is not a parameter of this sharded module; pass "
+                "one of module.parameters()"
+            )
+        return info
+
+    def unit_of(self, module: torch.nn.Module) -> int:
+        """Index of the unit whose module is ``module`` (the root is 0).
+
+        Raises:
+            ConfigError: ``module`` is not a unit's module.
+        """
+        for plan in self.plans:
+            if plan.module is module:
+                return plan.index
+        raise ConfigError(
+            f"{type(module).__name__} is not a unit of this sharded module; units are "
+            f"{[p.name or '<root>' for p in self.plans]}"
+        )
+
+    def is_gathered(self, module: torch.nn.Module) -> bool:
+        """Whether the unit of ``module`` is gathered (or being gathered)."""
+        state = self.units[self.unit_of(module)]
+        return state.gathered or state.in_flight
+
+    def live_numel(self) -> int:
+        """Gathered (or in-flight) elements of non-resident units right now."""
+        return self.fetcher.live_numel()
+
+    def peak_live_numel(self, *, reset: bool = False) -> int:
+        """Most live elements since construction or the last reset."""
+        peak = self.fetcher.peak_live
+        if reset:
+            self.fetcher.peak_live = self.fetcher.live_numel()
+        return peak
+
+    def partition_bytes(self) -> int:
+        """Bytes of this rank's parameter partitions."""
+        return sum(u.partition.numel() * u.partition.element_size() for u in self.units)
+
+    def gradient_bytes(self) -> int:
+        """Bytes of this rank's gradient partitions right now."""
+        grads = [g for g in self.grad_partitions() if g is not None]
+        return sum(g.numel() * g.element_size() for g in grads)
+
+    # --- user API ---------------------------------------------------------------------
+
+    def register_external_parameter(self, module: torch.nn.Module, param: torch.Tensor) -> None:
+        """Make the unit of ``module`` gather ``param``'s unit whenever it runs.
+
+        Raises:
+            ConfigError: ``module`` is not a unit, or ``param`` not a parameter of this model.
+        """
+        owner = self.shard_info(param).unit
+        user = self.unit_of(module)
+        if owner != user:
+            self._externals[user].add(owner)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter whole inside (reading or copying weights); released again after."""
+        if self._in_pass:
+            raise CommError("ShardedModule.gathered() was entered during a backward pass")
+        for u in self.units:
+            u.start_gather()
+        for u in self.units:
+            u.wait_gather()
+        try:
+            yield
+        finally:
+            self.fetcher.release_idle()
+
+    def remove_hooks(self) -> None:
+        """Give the model its whole parameters back (own storage) and remove every hook."""
+        for u in self.units:
+            u.start_gather()
+        for u in self.units:
+            u.wait_gather()
+        for plan in self.plans:
+            for param in plan.params:
+                param.data = param.data.clone()
+        for u in self.units:
+            u.buffer.untyped_storage().resize_(0)
+            u.gathered = False
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

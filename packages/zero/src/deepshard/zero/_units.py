@@ -1,0 +1,149 @@
+"""Which submodules are stage-3 units and which parameters each owns (a function of the model).
+
+Units are found in ``named_modules()`` order (registration order): the root (the module given
+to `deepshard.zero.shard`) and every submodule the policy's rule selects. Each parameter belongs
+to the nearest unit above the module that registers it, so a unit owns the parameters of its
+module that are not in a sub-unit and the root owns the rest. A parameter registered by several
+modules (tied embeddings: ``lm_head.weight is embed_tokens.weight``) belongs to its first owner
+in registration order; any other unit whose modules register it *uses* it and gathers the owner
+with itself (an *external* unit, as `register_external_parameter` adds by hand).
+
+Each unit's parameters are laid out in one flat buffer by `deepshard.zero.layout` as one bucket
+(16-byte aligned parameters, padded to a multiple of ``W × alignment``), so rank ``r``'s
+partition is chunk ``r`` of the buffer and one all-gather rebuilds the whole unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepshard.interface.errors import ConfigError
+from deepshard.zero._policy import ZeroPolicy
+from deepshard.zero.layout import FlatLayout, plan_flat_layout
+
+__all__ = ["UnitPlan", "plan_units"]
+
+_ONE_BUCKET = 1 << 62
+"""Bucket size that keeps a unit's parameters in one bucket whatever their size."""
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit of a sharded model.
+
+    Attributes:
+        index: Position among the units, in registration order (the root is 0).
+        name: The module's qualified name (``""`` for the root).
+        module: The module whose forward gathers the unit.
+        param_names: Qualified names of the parameters it owns, in registration order.
+        params: Those parameters.
+        layout: Their flat layout over the data-parallel group.
+        external: Indices of the units owning parameters its modules use but do not own.
+    """
+
+    index: int
+    name: str
+    module: torch.nn.Module
+    param_names: tuple[str, ...]
+    params: tuple[torch.nn.Parameter, ...]
+    layout: FlatLayout
+    external: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the unit's parameters (without padding)."""
+        return sum(slot.numel for slot in self.layout.slots)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its parameters share (float32 for a unit without parameters)."""
+        return self.params[0].dtype if self.params else torch.float32
+
+
+def _default_units(module: torch.nn.Module) -> set[int]:
+    """Ids of the modules the default rule makes units (see `deepshard.zero.ZeroPolicy`)."""
+    names = set(getattr(module, "_no_split_modules", None) or ())
+    if names:
+        return {id(m) for m in module.modules() if type(m).__name__ in names and m is not module}
+    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]
+    return {id(child) for lst in lists for child in lst.children()}
+
+
+def _unit_of_modules(module: torch.nn.Module, policy: ZeroPolicy) -> dict[str, str]:
+    """Each module's name → the name of the nearest unit at or above it."""
+    defaults = _default_units(module)
+    owner: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        parent = name.rpartition(".")[0] if name else ""
+        is_unit = bool(name) and policy.is_unit(name, sub, default=id(sub) in defaults)
+        owner[name] = name if not name or is_unit else owner[parent]
+    return owner
+
+
+def plan_units(
+    module: torch.nn.Module, policy: ZeroPolicy, *, world_size: int
+) -> tuple[UnitPlan, ...]:
+    """The units of ``module`` under ``policy`` and their flat layouts over ``world_size`` ranks.
+
+    Units that own no parameter are left out, except the root (index 0), which always exists.
+
+    Raises:
+        ConfigError: A unit's parameters mix dtypes or devices.
+    """
+    owner_of_module = _unit_of_modules(module, policy)
+    order = list(dict.fromkeys(owner_of_module.values()))
+    owned: dict[str, list[tuple[str, torch.nn.Parameter]]] = {name: [] for name in order}
+    uses: dict[str, set[int]] = {name: set() for name in order}
+    owner_of_param: dict[int, str] = {}
+    for mod_name, sub in module.named_modules():
+        unit = owner_of_module[mod_name]
+        for p_name, param in sub.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if id(param) not in owner_of_param:
+                owner_of_param[id(param)] = unit
+                owned[unit].append((full, param))
+            elif owner_of_param[id(param)] != unit:
+                uses[unit].add(id(param))
+    kept = [name for name in order if owned[name] or not name]
+    index = {name: i for i, name in enumerate(kept)}
+    modules = dict(module.named_modules())
+    plans = []
+    for name in kept:
+        params = owned[name]
+        external = sorted({index[owner_of_param[pid]] for pid in uses[name]})
+        plans.append(
+            UnitPlan(
+                index[name],
+                name,
+                modules[name],
+                tuple(n for n, _ in params),
+                tuple(p for _, p in params),
+                _layout(name, [p for _, p in params], world_size),
+                tuple(external),
+            )
+        )
+    return tuple(plans)
+
+
+def _layout(name: str, params: list[torch.nn.Parameter], world_size: int) -> FlatLayout:
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"ZeRO stage 3 unit {name or '<root>'!r} mixes parameter dtypes/devices "
+            f"{sorted(map(str, kinds))}; cast and move the model to one dtype and device "
+            "before deepshard.zero.shard"
+        )
+    if any(not p.is_floating_point() for p in params):
+        raise ConfigError(
+            f"ZeRO stage 3 unit {name or '<root>'!r} has non-float parameters; register them as "
+            "buffers instead"
+        )
+    element_size = params[0].element_size() if params else 4
+    return plan_flat_layout(
+        [tuple(p.shape) for p in params],
+        element_size=element_size,
+        world_size=world_size,
+        bucket_numel=_ONE_BUCKET,
+    )

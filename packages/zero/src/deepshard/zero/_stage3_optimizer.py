@@ -131,6 +131,7 @@ class Stage3Optimizer(ZeroOptimizer):
         self._boundary_flag = True
         self._run_boundary: bool | None = None
         self._no_sync_depth, self._pass_boundary, self._ready = 0, False, False
+        self._offloaded = {}  # `offload_states` bookkeeping; stage 3 refuses it for now
         sharded.add_pass_observer(self._on_begin, self._on_end)
 
     def _map_param_groups(self, max_numel: int | None) -> list[View]:
@@ -333,6 +334,17 @@ class Stage3Optimizer(ZeroOptimizer):
     def stage(self) -> int:
         """The ZeRO stage: 3."""
         return 3
+
+    def offload_states(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ARG002
+        """Refused at stage 3 for now (stages 0-2 have it).
+
+        Raises:
+            ConfigError: Always.
+        """
+        raise ConfigError(
+            "offload_states() is not available at ZeRO stage 3 yet (stages 0-2 have it); "
+            "use zero_optimization.stage 1 or 2 to move optimizer states to the host"
+        )
 
     def remove_hooks(self) -> None:
         """Give the model back its whole parameters and detach every hook."""

@@ -22,6 +22,7 @@ import torch
 
 from deepshard.interface.config import DeepShardConfig, ZeroConfig
 from deepshard.interface.status import planned_problems
+from deepshard.zero._offload_plan import offload_config_problems
 
 __all__ = ["CPU_MESSAGE_NUMEL", "message_sizes", "zero_problems"]
 
@@ -49,7 +50,7 @@ def message_sizes(config: ZeroConfig, param_groups: Iterable[Mapping[str, Any]])
 def zero_problems(config: ZeroConfig, *, gradient_clipping: float) -> list[tuple[str, str]]:
     """Every setting of ``config`` this package refuses, as ``(key path, message)``.
 
-    The features not there yet (stage 3, offload) come from the feature table
+    The features not there yet (stage 3, parameter offload) come from the feature table
     (`deepshard.interface.status`), the same rows the engine refuses, so the two agree word for
     word; the contradictions are ZeRO's own.
 
@@ -61,6 +62,7 @@ def zero_problems(config: ZeroConfig, *, gradient_clipping: float) -> list[tuple
         One ``(key path, message)`` per problem; empty when ZeRO runs the settings.
     """
     problems = planned_problems(DeepShardConfig(zero_optimization=config))
+    problems += offload_config_problems(config)
     if gradient_clipping < 0:
         problems.append(
             ("gradient_clipping", f"must be >= 0 (0 disables), got {gradient_clipping}")

@@ -19,7 +19,6 @@ _SET_FALSE = "set it to false or remove it"
 _STAGE3 = "ZeRO stage 3 setting (no effect at stages 0-2)"
 
 _STAGE3_KEYS = (
-    "sub_group_size",
     "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold",
     "stage3_model_persistence_threshold",
@@ -50,14 +49,6 @@ _PLANNED = (
         _ZERO,
         When("equals", 3),
         fix="use stage 0, 1 or 2",
-    ),
-    FeatureStatus(
-        "zero_optimization.offload_optimizer",
-        "planned",
-        "ZeRO optimizer offload",
-        _ZERO,
-        When("other_than", _OFF, field="device"),
-        fix='remove the section or set its device to "none"',
     ),
     FeatureStatus(
         "zero_optimization.offload_param",
@@ -145,7 +136,6 @@ _IGNORED = (
             ("comet", "Comet"),
         )
     ),
-    FeatureStatus("aio", "ignored", "asynchronous NVMe I/O (for NVMe offload)", _ZERO),
     FeatureStatus(
         "tensor_parallel", "ignored", "AutoTP settings (AutoTP is planned)", "deepshard-autotp"
     ),
@@ -171,9 +161,6 @@ _IGNORED = (
         "ignored",
         "the Ulysses all-to-all dtype",
         "deepshard-sequence-parallel",
-    ),
-    FeatureStatus(
-        "zero_force_ds_cpu_optimizer", "ignored", "the CPU optimizer check of offload", _ZERO
     ),
     *(FeatureStatus(f"zero_optimization.{key}", "ignored", _STAGE3, _ZERO) for key in _STAGE3_KEYS),
     FeatureStatus(

@@ -216,13 +216,12 @@ def _views(
     view_numel: int | None,
     kernel: bool,
 ) -> list[Views]:
-    """What each inner param group holds: the whole host master for the kernel (nothing with
-    NVMe), else views of at most ``view_numel`` cut inside every sub-group."""
+    """What each inner param group holds: nothing for the CPU Adam kernel (the inner optimizer
+    then only carries the hyper-parameters, so its state dict is the same for cpu and nvme),
+    else views of at most ``view_numel`` cut inside every sub-group."""
     views: list[Views] = [[] for _ in range(groups)]
-    if host_masters is None:
+    if host_masters is None or kernel:
         return views
-    if kernel:
-        return [[(m, 0, m.numel())] if m.numel() else [] for m in host_masters]
     for sub in subs:
         piece = host_masters[sub.group][sub.start : sub.stop]
         for view, lo, hi in master_views(piece, view_numel):
@@ -240,7 +239,8 @@ def build_offload(
     """The host side of optimizer offload, or ``None`` when the config has none.
 
     Copies the device master partitions to the host (or the files) and re-points the inner
-    optimizer's param groups at host masters; the device masters are then no longer needed.
+    optimizer's param groups at host master views (or empties them, when the CPU Adam kernel
+    steps); the device masters are then no longer needed.
 
     Args:
         config: The ``zero_optimization`` section (``offload_optimizer``, ``sub_group_size``);

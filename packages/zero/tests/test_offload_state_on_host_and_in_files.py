@@ -120,7 +120,12 @@ def _nvme_files(group: Any, rank: int, root: str) -> dict[str, Any]:
     directory = state.swapper.directory
     in_root = directory.parent == Path(root) and directory.is_dir()
     zero.close()
-    return {"files": files, "masters": masters, "in_root": in_root, "removed": not directory.exists()}
+    return {
+        "files": files,
+        "masters": masters,
+        "in_root": in_root,
+        "removed": not directory.exists(),
+    }
 
 
 def _round_trip(group: Any, rank: int, root: str) -> dict[str, Any]:

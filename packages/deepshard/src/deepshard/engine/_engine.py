@@ -312,6 +312,7 @@ class DeepShardEngine(EngineReads, torch.nn.Module):
         if self.optimizer is not None:
             self.optimizer.zero_grad()
             self.optimizer.remove_hooks()
+            self.optimizer.close()  # offloaded state: NVMe swap files are removed
         self._destroyed = True
 
     # --- weights out ----------------------------------------------------------------------

@@ -176,7 +176,9 @@ class HostOffload:
             saved["exp_avg_sq"] = [t.clone() for t in exp_avg_sq]
         return saved
 
-    def load_state_dict(self, masters: Sequence[torch.Tensor], saved: dict[str, Any] | None) -> None:
+    def load_state_dict(
+        self, masters: Sequence[torch.Tensor], saved: dict[str, Any] | None
+    ) -> None:
         """Restore masters and `state_dict`; refreshes the host and device partition copies.
 
         Raises:
@@ -195,7 +197,9 @@ class HostOffload:
         self.state.load(states)
         self._steps = [int(s) for s in saved["steps"]]
         with torch.no_grad():
-            for out, part, master in zip(self.host_out, self.device_partitions, masters, strict=True):
+            for out, part, master in zip(
+                self.host_out, self.device_partitions, masters, strict=True
+            ):
                 if out.data_ptr() != master.data_ptr():
                     out.copy_(master)
                 part.copy_(master)
@@ -267,11 +271,15 @@ def build_offload(
         prefix, aio = f"zero-pid{os.getpid()}-", aio if aio is not None else AioConfig()
         state = NvmeState(masters, subs, section, aio, moment_dtype, allocate, prefix=prefix)
     else:
-        host_masters = [allocate(n, torch.float32).copy_(m) for n, m in zip(numels, masters, strict=True)]
+        host_masters = [
+            allocate(n, torch.float32).copy_(m) for n, m in zip(numels, masters, strict=True)
+        ]
         state = HostState(host_masters, moment_dtype if rule else None, allocate)
     dtypes = [flat.buffer.dtype for flat in flats]
     host_out = [
-        host_masters[g] if host_masters is not None and dtype == torch.float32 else allocate(n, dtype)
+        host_masters[g]
+        if host_masters is not None and dtype == torch.float32
+        else allocate(n, dtype)
         for g, (n, dtype) in enumerate(zip(numels, dtypes, strict=True))
     ]
     device_partitions = [m.to(dtype, copy=True) for m, dtype in zip(masters, dtypes, strict=True)]

@@ -16,8 +16,8 @@ non-DeepShard class (DeepSpeed refuses client optimizers the same way) and ``dev
 **Refusals** (`offload_config_problems`, `offload_problems`), as ``(key path, message)`` like
 every ZeRO refusal: offload at stage 0 (nothing is partitioned, use stage 1), ``sub_group_size``
 0, a full-gradient transform (Muon's Newton–Schulz runs on the device), an optimizer that only
-steps device tensors (``capturable=True``), and the two cases above. ``nvme`` without ``nvme_path`` and
-``offload_param`` below stage 3 are refused by the config schema itself.
+steps device tensors (``capturable=True``), and the two cases above. ``nvme`` without
+``nvme_path`` and ``offload_param`` below stage 3 are refused by the config schema itself.
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 def _is_deepshard_adam(cls: type) -> bool:
     # deepshard.optimizers sits in ZeRO's own row, so it cannot be imported; its Adam family is
     # recognised by the defining class instead (AdamW and CPUAdam derive from it).
-    return any(c.__module__ == "deepshard.optimizers.adam" and c.__name__ == "Adam" for c in cls.__mro__)
+    return any(
+        c.__module__ == "deepshard.optimizers.adam" and c.__name__ == "Adam" for c in cls.__mro__
+    )
 
 
 def _is_deepshard_optimizer(cls: type) -> bool:
@@ -167,9 +169,7 @@ def offload_config_problems(config: ZeroConfig) -> list[tuple[str, str]]:
     if config.stage == 0:
         problems.append((_KEY, "needs stage 1 or 2 (stage 0 partitions nothing); set stage 1"))
     if config.sub_group_size < 1:
-        problems.append(
-            ("zero_optimization.sub_group_size", "must be >= 1 with offload_optimizer")
-        )
+        problems.append(("zero_optimization.sub_group_size", "must be >= 1 with offload_optimizer"))
     return problems
 
 

@@ -31,7 +31,7 @@ from deepshard.interface.accelerator import Accelerator
 from deepshard.interface.config import AioConfig, OffloadOptimizerConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.zero._offload_plan import SubGroup
-from deepshard.zero._swap import SwapRequest, Swapper
+from deepshard.zero._swap import Swapper, SwapRequest
 
 __all__ = ["STATE_NAMES", "Allocate", "HostState", "NvmeState", "host_allocator"]
 
@@ -200,7 +200,9 @@ class NvmeState:
         self._drain(slot)
         for name, src, dst in zip(names, sources, slot.views(sub.numel), strict=False):
             dst.copy_(src)
-            request = self.swapper.write(self._name(sub.group, name), dst, offset=self._offset(sub, name))
+            request = self.swapper.write(
+                self._name(sub.group, name), dst, offset=self._offset(sub, name)
+            )
             slot.writes.append(request)
         self._drain(slot)
 
@@ -222,7 +224,9 @@ class NvmeState:
             if name != "master" and sub in self._fresh:
                 view.zero_()
                 continue
-            request = self.swapper.read(self._name(sub.group, name), view, offset=self._offset(sub, name))
+            request = self.swapper.read(
+                self._name(sub.group, name), view, offset=self._offset(sub, name)
+            )
             slot.reads.append(request)
 
     def acquire(self, sub: SubGroup) -> Acquired:
@@ -243,7 +247,9 @@ class NvmeState:
         """Write ``sub``'s updated state behind (waited for now unless ``pipeline_write``)."""
         slot = self._slots[self._order[sub] % len(self._slots)]
         for name, view in zip(STATE_NAMES, slot.views(sub.numel), strict=True):
-            request = self.swapper.write(self._name(sub.group, name), view, offset=self._offset(sub, name))
+            request = self.swapper.write(
+                self._name(sub.group, name), view, offset=self._offset(sub, name)
+            )
             slot.writes.append(request)
         self._fresh.discard(sub)
         if not self._write_behind:
@@ -265,7 +271,9 @@ class NvmeState:
             for sub in self._subs:
                 if name == "master" or sub not in self._fresh:
                     view = per_group[sub.group][sub.start : sub.stop]
-                    self.swapper.read(self._name(sub.group, name), view, offset=self._offset(sub, name)).wait()
+                    self.swapper.read(
+                        self._name(sub.group, name), view, offset=self._offset(sub, name)
+                    ).wait()
             states.append(per_group)
         return states
 

@@ -6,8 +6,9 @@ parameters, by name, in the dtype they were kept in). Reloading needs the same p
 rank and partition sizes. With optimizer offload the masters come from (and go back to) the host
 buffers or swap files, and the offload's own state (step counts, the CPU Adam moments as whole
 partitions, `deepshard.zero._offload.HostOffload.state_dict`) is saved under ``"offload"``; such a
-state loads into a run with offload to either device. Moving state between layouts (other world sizes, other bucket sizes)
-goes through the shard maps (`ZeroOptimizer.shard_maps`), which is the checkpoint package's job.
+state loads into a run with offload to either device. Moving state between layouts (other world
+sizes, other bucket sizes) goes through the shard maps (`ZeroOptimizer.shard_maps`), which is the
+checkpoint package's job.
 """
 
 from __future__ import annotations
@@ -87,7 +88,5 @@ def load_partitioned_state(
 
 def _copy_masters(optimizer: ZeroOptimizer, saved_masters: list[torch.Tensor]) -> None:
     with torch.no_grad():
-        for master, saved in zip(
-            optimizer.master_partitions, saved_masters, strict=True
-        ):
+        for master, saved in zip(optimizer.master_partitions, saved_masters, strict=True):
             master.copy_(saved)

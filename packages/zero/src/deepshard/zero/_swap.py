@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from deepshard.interface.config import AioConfig
 from deepshard.interface.errors import ConfigError
 
 __all__ = ["SwapRequest", "Swapper"]
+
+_Work = Callable[[int, memoryview, int, list[tuple[int, int]]], None]
 
 
 class SwapRequest:
@@ -51,7 +54,7 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The tensor's own memory as a writable byte buffer (any dtype, bf16 included)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("swap buffers must be contiguous host tensors")
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    return tensor.view(torch.uint8).numpy().data.cast("B")
 
 
 def _write_blocks(fd: int, data: memoryview, offset: int, blocks: list[tuple[int, int]]) -> None:
@@ -100,9 +103,7 @@ class Swapper:
             max_workers=aio.intra_op_parallelism, thread_name_prefix="deepshard-swap"
         )
         self._fds: dict[str, int] = {}
-        self._finalizer = weakref.finalize(
-            self, _release, self._pool, self._fds, self.directory
-        )
+        self._finalizer = weakref.finalize(self, _release, self._pool, self._fds, self.directory)
 
     def path(self, name: str) -> Path:
         """The file of ``name``."""
@@ -120,11 +121,10 @@ class Swapper:
         depth = 1 if self._aio.single_submit else self._aio.queue_depth
         return [blocks[i : i + depth] for i in range(0, len(blocks), depth)]
 
-    def _submit(self, work: object, name: str, tensor: torch.Tensor, offset: int) -> SwapRequest:
+    def _submit(self, work: _Work, name: str, tensor: torch.Tensor, offset: int) -> SwapRequest:
         fd, data = self._fd(name), _byte_view(tensor)
         futures = [
-            self._pool.submit(work, fd, data, offset, batch)  # type: ignore[arg-type]
-            for batch in self._batches(len(data))
+            self._pool.submit(work, fd, data, offset, batch) for batch in self._batches(len(data))
         ]
         request = SwapRequest(futures)
         if not self._aio.overlap_events:

@@ -49,13 +49,13 @@ from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._flat_params import flatten_param_groups
 from deepshard.zero._full_grads import FullGradTransform, FullGradTransforms
-from deepshard.zero._offload import build_offload, offload_problems
 from deepshard.zero._gradients import (
     AccumulatedGradients,
     GradientStore,
     PartitionedGradients,
     StoreSettings,
 )
+from deepshard.zero._offload import build_offload, offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._passes import BackwardPasses
 from deepshard.zero._placements import param_names, registration_positions, resolve_placements

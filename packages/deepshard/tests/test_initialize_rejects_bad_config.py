@@ -54,16 +54,16 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
         },
         "zero_optimization.compute_grad_norm",
     ),
-    "optimizer offload": (
+    "optimizer offload at stage 0": (
         {
             **_BATCH,
             "optimizer": _ADAM,
-            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
         },
         "zero_optimization.offload_optimizer",
     ),
     "optimizer offload in an old config's spelling": (
-        {**_BATCH, "optimizer": _ADAM, "zero_optimization": {"stage": 2, "cpu_offload": True}},
+        {**_BATCH, "optimizer": _ADAM, "zero_optimization": {"stage": 0, "cpu_offload": True}},
         "zero_optimization.offload_optimizer",
     ),
     "caller-marked boundaries": (
@@ -197,7 +197,7 @@ def test_zero_refusals_come_before_the_world_each_listed_once() -> None:
     config = {
         "zero_optimization": {
             "stage": 3,
-            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
             "allgather_partitions": False,
         },
     }
@@ -207,5 +207,5 @@ def test_zero_refusals_come_before_the_world_each_listed_once() -> None:
     # offload is refused by the feature table and by ZeRO: one line each; stage 3 runs
     assert sorted(keys) == [
         "zero_optimization.allgather_partitions",
-        "zero_optimization.offload_optimizer",
+        "zero_optimization.offload_param",
     ]

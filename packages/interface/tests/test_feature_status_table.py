@@ -53,7 +53,7 @@ def test_the_longest_row_covers_a_key() -> None:
     assert status_of("moe.ep_size").status == "available"  # type: ignore[union-attr]
     assert status_of("tensorboard.output_path").key == "tensorboard"  # type: ignore[union-attr]
     assert status_of("zero_optimization.reduce_bucket_size") is None
-    assert status_of("zero_optimization.offload_optimizer.pin_memory").status == "planned"  # type: ignore[union-attr]
+    assert status_of("zero_optimization.offload_param.pin_memory").status == "planned"  # type: ignore[union-attr]
 
 
 ASKS = [

@@ -76,8 +76,13 @@ def train_zero(
     steps: int = STEPS,
     zero_kwargs: dict[str, Any] | None = None,
     config_kwargs: dict[str, Any] | None = None,
+    inner_factory: Any = None,
+    keep: list[Any] | None = None,
 ) -> dict[str, Any]:
     """Train the MLP under ZeRO the way the engine will; return what each step produced.
+
+    ``inner_factory(param_groups, lr)`` builds the inner optimizer (torch's AdamW by default);
+    ``keep`` receives the `ZeroOptimizer`, for a test to inspect after training.
 
     Stage 1 drives its passes with plain ``loss.backward()`` and ``no_sync()`` instead of
     ``ZeroOptimizer.backward``, so both ways are checked against the reference.
@@ -86,7 +91,8 @@ def train_zero(
     from deepshard.zero import ZeroOptimizer
 
     model = make_model(dtype)
-    inner = torch.optim.AdamW(param_groups(list(model.parameters())), lr=LR)
+    factory = inner_factory if inner_factory is not None else torch.optim.AdamW
+    inner = factory(param_groups(list(model.parameters())), lr=LR)
     config = ZeroConfig(stage=stage, **(config_kwargs or {}))
     zero = ZeroOptimizer(
         inner,
@@ -96,6 +102,8 @@ def train_zero(
         named_parameters=model.named_parameters(),
         **(zero_kwargs or {}),
     )
+    if keep is not None:
+        keep.append(zero)
     scheduler = torch.optim.lr_scheduler.LambdaLR(zero, lr_factor)
     mb = GLOBAL_BATCH // (world * ga)
     losses, norms = [], []

@@ -134,7 +134,10 @@ def test_build_reads_the_deepspeed_keys(group: Any) -> None:
     ("settings", "key"),
     [
         ({"stage": 3}, "zero_optimization.stage"),
-        ({"offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer"),
+        (
+            {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+            "zero_optimization.offload_optimizer",
+        ),
         ({"allgather_partitions": False}, "zero_optimization.allgather_partitions"),
     ],
 )

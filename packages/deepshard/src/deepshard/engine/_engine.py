@@ -330,6 +330,7 @@ class DeepShardEngine(EngineReads, EngineStates, torch.nn.Module):
                 self.optimizer.reload_states()
             self.optimizer.zero_grad()
             self.optimizer.remove_hooks()
+            self.optimizer.close()  # offloaded state: NVMe swap files are removed
         self._destroyed = True
 
     # --- weights out ----------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 
 from deepshard.interface.config import DeepShardConfig, ZeroConfig
 from deepshard.interface.status import planned_problems
+from deepshard.zero._offload_plan import offload_config_problems
 
 __all__ = ["CPU_MESSAGE_NUMEL", "message_sizes", "zero_problems"]
 
@@ -51,7 +52,7 @@ def zero_problems(
 ) -> list[tuple[str, str]]:
     """Every setting of ``config`` this package refuses, as ``(key path, message)``.
 
-    The features not there yet (stage 3, offload) come from the feature table
+    The features not there yet (stage 3, parameter offload) come from the feature table
     (`deepshard.interface.status`), the same rows the engine refuses, so the two agree word for
     word; the contradictions are ZeRO's own.
 
@@ -73,6 +74,7 @@ def zero_problems(
             else f"{config.stage} got a sharded module; a ShardedModule needs stage 3"
         )
         problems.insert(0, ("zero_optimization.stage", fix))
+    problems += offload_config_problems(config)
     if gradient_clipping < 0:
         problems.append(
             ("gradient_clipping", f"must be >= 0 (0 disables), got {gradient_clipping}")

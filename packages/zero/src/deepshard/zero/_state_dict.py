@@ -3,8 +3,12 @@
 The state is this rank's fp32 master partitions, the inner optimizer's own state dict (whose
 tensors are partitions too) and the full-gradient transform's buffers (Muon's momentum: whole
 parameters, by name, in the dtype they were kept in). Reloading needs the same partition count,
-rank and partition sizes; moving state between layouts (other world sizes, other bucket sizes)
-goes through the shard maps (`ZeroOptimizer.shard_maps`), which is the checkpoint package's job.
+rank and partition sizes. With optimizer offload the masters come from (and go back to) the host
+buffers or swap files, and the offload's own state (step counts, the CPU Adam moments as whole
+partitions, `deepshard.zero._offload.HostOffload.state_dict`) is saved under ``"offload"``; such a
+state loads into a run with offload to either device. Moving state between layouts (other world
+sizes, other bucket sizes) goes through the shard maps (`ZeroOptimizer.shard_maps`), which is the
+checkpoint package's job.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from deepshard.interface.errors import CheckpointError
 
 if TYPE_CHECKING:
     from deepshard.zero._full_grads import FullGradTransforms
+    from deepshard.zero._offload import HostOffload
     from deepshard.zero.optimizer import ZeroOptimizer
 
 __all__ = ["load_partitioned_state", "partitioned_state"]
@@ -32,21 +37,29 @@ def _layout_header(optimizer: ZeroOptimizer) -> dict[str, Any]:
     }
 
 
-def partitioned_state(optimizer: ZeroOptimizer, full: FullGradTransforms) -> dict[str, Any]:
-    """This rank's state: layout header, master partitions and the inner state dict."""
-    return {
+def partitioned_state(
+    optimizer: ZeroOptimizer, full: FullGradTransforms, offload: HostOffload | None
+) -> dict[str, Any]:
+    """This rank's state: layout header, master partitions, the inner and offload state."""
+    state = {
         **_layout_header(optimizer),
         "zero_stage": optimizer.stage,
         "master_partitions": [m.detach().clone() for m in optimizer.master_partitions],
         "optimizer": optimizer.inner.state_dict(),
         "full_grad_buffers": full.state_dict(),
     }
+    if offload is not None:
+        state["offload"] = offload.state_dict()
+    return state
 
 
 def load_partitioned_state(
-    optimizer: ZeroOptimizer, full: FullGradTransforms, state: dict[str, Any]
+    optimizer: ZeroOptimizer,
+    full: FullGradTransforms,
+    offload: HostOffload | None,
+    state: dict[str, Any],
 ) -> None:
-    """Copy a `partitioned_state` into ``optimizer`` (masters, inner state, transform buffers).
+    """Copy a `partitioned_state` into ``optimizer`` (masters, inner, transform, offload state).
 
     A state without ``full_grad_buffers`` (saved before transforms existed) loads none.
 
@@ -65,10 +78,15 @@ def load_partitioned_state(
                 f"{header[key]!r}; load it with the same data-parallel size and bucket sizes, or "
                 "reshard it through the shard maps (deepshard.checkpoint)"
             )
-    with torch.no_grad():
-        for master, saved in zip(
-            optimizer.master_partitions, state["master_partitions"], strict=True
-        ):
-            master.copy_(saved)
+    if offload is not None:
+        offload.load_state_dict(state["master_partitions"], state.get("offload"))
+    else:
+        _copy_masters(optimizer, state["master_partitions"])
     full.load_state_dict(state.get("full_grad_buffers", {}))
     optimizer.inner.load_state_dict(state["optimizer"])
+
+
+def _copy_masters(optimizer: ZeroOptimizer, saved_masters: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for master, saved in zip(optimizer.master_partitions, saved_masters, strict=True):
+            master.copy_(saved)

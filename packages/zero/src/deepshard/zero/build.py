@@ -34,7 +34,8 @@ def build_zero_optimizer(
 
     Reads ``zero_optimization``, ``gradient_clipping``, ``gradient_allreduce_op``,
     ``prescale_gradients``, ``gradient_predivide_factor``, ``communication_data_type``,
-    ``data_types.grad_accum_dtype`` and ``zero_allow_untested_optimizer``. Loss scaling
+    ``data_types.grad_accum_dtype``, ``zero_allow_untested_optimizer``, ``aio`` and
+    ``zero_force_ds_cpu_optimizer`` (optimizer offload). Loss scaling
     (``fp16``) stays with the caller, which passes the scale to ``step``.
 
     Args:
@@ -82,6 +83,8 @@ def build_zero_optimizer(
         placements=placements,
         full_grad_transform=full_grad_transform,
         transformed_params=transformed_params,
+        aio=config.aio,
+        zero_force_ds_cpu_optimizer=config.zero_force_ds_cpu_optimizer,
     )
 
 

@@ -45,7 +45,7 @@ import torch
 
 from deepshard.comm import CommsLogger, Group, resolve_group
 from deepshard.interface import PlacementRegistry
-from deepshard.interface.config import ZeroConfig
+from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._flat_params import flatten_param_groups
 from deepshard.zero._full_grads import FullGradTransform, FullGradTransforms
@@ -55,7 +55,9 @@ from deepshard.zero._gradients import (
     PartitionedGradients,
     StoreSettings,
 )
+from deepshard.zero._offload import build_offload, offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
+from deepshard.zero._optimizer_reads import ZeroReads
 from deepshard.zero._owner import ZeroPartitionAccess
 from deepshard.zero._passes import BackwardPasses
 from deepshard.zero._placements import param_names, registration_positions, resolve_placements
@@ -72,7 +74,7 @@ from deepshard.zero.reduction import GradientReduction
 __all__ = ["ParamShard", "StepResult", "ZeroOptimizer"]
 
 
-class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
+class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Optimizer):
     """Wraps ``optimizer`` so its state, master weights and (stage 2) gradients are partitioned.
 
     Args:
@@ -85,7 +87,8 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
             `deepshard.zero._settings`), ``overlap_comm`` (stage 2; stages 0-1 always overlap),
             ``reduce_scatter``, ``compute_grad_norm``, ``ignore_unused_parameters``. Gradients are
             always contiguous and parameters always 16-byte aligned (``contiguous_gradients``,
-            ``parameter_alignment``); offload and stage-3 keys are refused or unused.
+            ``parameter_alignment``); ``offload_optimizer`` and ``sub_group_size`` run the step
+            on the host (`deepshard.zero._offload`); stage-3 keys are refused or unused.
         gradient_clipping: Clip the global gradient norm to this; 0 disables.
         norm_type: Order of the norm used for clipping and reported (``math.inf`` allowed).
         reduction: ``gradient_allreduce_op``, ``prescale_gradients``,
@@ -107,6 +110,9 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
             gradients hold finished updates, so the element-wise check is skipped.
         transformed_params: The parameters whose gradients the transform replaces; they must
             make up whole param groups of ``optimizer`` (such as Muon's ``use_muon`` groups).
+        aio: The ``aio`` section (NVMe offload).
+        zero_force_ds_cpu_optimizer: With offload, refuse an optimizer stepped as itself on the
+            host (not Adam/AdamW, not DeepShard's).
 
     Raises:
         ConfigError: Unsupported settings, an unsuitable optimizer, param groups mixing dtypes,
@@ -140,12 +146,18 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
         placements: PlacementRegistry | None = None,
         full_grad_transform: FullGradTransform | None = None,
         transformed_params: Iterable[torch.Tensor] = (),
+        aio: AioConfig | None = None,
+        zero_force_ds_cpu_optimizer: bool = True,
     ) -> None:
         self.config = config if config is not None else ZeroConfig()
-        allow_untested = zero_allow_untested_optimizer or full_grad_transform is not None
+        transformed = full_grad_transform is not None
+        allow_untested = zero_allow_untested_optimizer or transformed
         # Every refusal at once, before anything is built.
         problems = zero_problems(self.config, gradient_clipping=gradient_clipping, sharded=False)
         problems += optimizer_problems(optimizer, allow_untested=allow_untested)
+        problems += offload_problems(
+            self.config, optimizer, zero_force_ds_cpu_optimizer, transformed
+        )
         if problems:
             raise ConfigError.from_problems(problems)
         selected = list(transformed_params)
@@ -181,6 +193,9 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
             param_groups=optimizer.param_groups,
             view_numel=master_view_numel(optimizer, transformed=full_grad_transform is not None),
         )
+        self._offload = build_offload(self.config, optimizer, self._masters, self._flat, aio)
+        if self._offload is not None:  # host masters: the device keeps a compute-dtype copy
+            self._masters, self._full.views = self._offload.device_partitions, self._offload.views
         settings = StoreSettings(
             self._device,
             self._group,
@@ -302,7 +317,10 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
         norm, overflow = checked_norm(grads, loss_scale, norm_settings, transform)
         if not overflow:
             factor = scale_factor(norm, clip=self.gradient_clipping, loss_scale=loss_scale)
-            step_inner(self.inner, self._full.views, grads, factor)
+            if self._offload is not None:
+                self._offload.step(self.inner, grads, factor)
+            else:
+                step_inner(self.inner, self._full.views, grads, factor)
         return norm, overflow
 
     def _refresh_params(self) -> None:
@@ -372,8 +390,8 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
     @property
     def master_partitions(self) -> tuple[torch.Tensor, ...]:
         """This rank's fp32 master partition of every param group (for an unpartitioned fp32
-        group, the flat parameter buffer itself)."""
-        return tuple(self._masters)
+        group, the flat parameter buffer itself; with offload, on the host)."""
+        return self._offload.masters() if self._offload is not None else tuple(self._masters)
 
     def full_shape(self, param: object) -> tuple[int, ...] | None:
         """`deepshard.interface.ParamShapes`: a transformed parameter's shape for its master view
@@ -384,27 +402,11 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
         """Where every element of every trainable parameter's master lives, per rank."""
         return self._shards
 
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of inner-optimizer state tensors and full-gradient buffers on this rank."""
-        tensors = [v for s in self.inner.state.values() for v in s.values()]
-        inner = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        return inner + self._full.nbytes()
-
-    def master_bytes(self) -> int:
-        """Bytes of fp32 master weights on this rank beyond the parameters (an unpartitioned
-        fp32 group's master is its parameter buffer and counts 0)."""
-        separate = [m for m, f in zip(self._masters, self._flat, strict=True) if m is not f.buffer]
-        return sum(m.numel() * m.element_size() for m in separate)
-
-    def gradient_bytes(self) -> int:
-        """Bytes of gradient storage ZeRO holds on this rank right now."""
-        return self._store.nbytes()
-
     def state_dict(self) -> dict[str, Any]:
         """This rank's masters, inner-optimizer state and transform buffers (same layout to
         reload)."""
         self.check_resident("state_dict()")
-        return partitioned_state(self, self._full)
+        return partitioned_state(self, self._full, self._offload)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict` from a run with the same layout; refreshes the parameters.
@@ -415,28 +417,13 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, torch.optim.Optimizer):
             CheckpointError: The state was saved with another stage, world or layout.
         """
         self.check_resident("load_state_dict()")
-        load_partitioned_state(self, self._full, state_dict)
+        load_partitioned_state(self, self._full, self._offload, state_dict)
         self._refresh_params()
 
-    @property
-    def reduction(self) -> GradientReduction:
-        """How gradients are combined over the data-parallel group."""
-        return self._store.settings.reduction
-
-    @property
-    def stage(self) -> int:
-        """The ZeRO stage."""
-        return self.config.stage
-
-    @property
-    def partition_count(self) -> int:
-        """Ranks the masters are partitioned over (1 at stage 0)."""
-        return self._partitions
-
-    @property
-    def partition_rank(self) -> int:
-        """This rank's partition index (0 at stage 0)."""
-        return self._partition_rank
+    def close(self) -> None:
+        """Release the offloaded state (NVMe swap files are removed); no step may follow."""
+        if self._offload is not None:
+            self._offload.close()
 
     def remove_hooks(self) -> None:
         """Detach ZeRO from the model's parameters (gradients then stay in ``param.grad``)."""

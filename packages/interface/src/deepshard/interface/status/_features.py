@@ -39,14 +39,6 @@ _STAGE3_KEYS = (
 
 _PLANNED = (
     FeatureStatus(
-        "zero_optimization.offload_optimizer",
-        "planned",
-        "ZeRO optimizer offload",
-        _ZERO,
-        When("other_than", _OFF, field="device"),
-        fix='remove the section or set its device to "none"',
-    ),
-    FeatureStatus(
         "zero_optimization.offload_param",
         "planned",
         "ZeRO-3 parameter offload",
@@ -151,7 +143,6 @@ _IGNORED = (
             ("comet", "Comet"),
         )
     ),
-    FeatureStatus("aio", "ignored", "asynchronous NVMe I/O (for NVMe offload)", _ZERO),
     FeatureStatus(
         "tensor_parallel", "ignored", "AutoTP settings (AutoTP is planned)", "deepshard-autotp"
     ),
@@ -177,9 +168,6 @@ _IGNORED = (
         "ignored",
         "the Ulysses all-to-all dtype",
         "deepshard-sequence-parallel",
-    ),
-    FeatureStatus(
-        "zero_force_ds_cpu_optimizer", "ignored", "the CPU optimizer check of offload", _ZERO
     ),
     *(FeatureStatus(f"zero_optimization.{key}", "ignored", _STAGE3, _ZERO) for key in _STAGE3_KEYS),
     FeatureStatus(

@@ -47,7 +47,8 @@ PACKAGES: tuple[PackageStatus, ...] = (
         "deepshard-zero",
         "deepshard.zero",
         "packages/zero",
-        "ZeRO stages 0-2 (available); stage 3, CPU offload, `Init`, `GatheredParameters` (planned)",
+        "ZeRO stages 0-2 and their optimizer offload to CPU or NVMe (available); stage 3, "
+        "parameter offload, `Init`, `GatheredParameters` (planned)",
         "partial",
     ),
     PackageStatus(

@@ -1,0 +1,70 @@
+"""The byte counts and partitioning facts `ZeroOptimizer` reports (stages 0-2).
+
+A mixin, so `deepshard.zero.optimizer` stays one screenful per concern; `Stage3Optimizer`
+overrides what differs at stage 3.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepshard.zero.reduction import GradientReduction
+
+if TYPE_CHECKING:
+    from deepshard.interface.config import ZeroConfig
+    from deepshard.zero._flat_params import FlatParams
+    from deepshard.zero._full_grads import FullGradTransforms
+    from deepshard.zero._gradients import GradientStore
+
+__all__ = ["ZeroReads"]
+
+
+class ZeroReads:
+    """What the engine's memory report and the checkpoint code read from a `ZeroOptimizer`."""
+
+    config: ZeroConfig
+    inner: torch.optim.Optimizer
+    _full: FullGradTransforms
+    _masters: list[torch.Tensor]
+    _flat: list[FlatParams]
+    _store: GradientStore
+    _partitions: int
+    _partition_rank: int
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of inner-optimizer state tensors and full-gradient buffers on this rank."""
+        tensors = [v for s in self.inner.state.values() for v in s.values()]
+        inner = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return inner + self._full.nbytes()
+
+    def master_bytes(self) -> int:
+        """Bytes of fp32 master weights on this rank beyond the parameters (an unpartitioned
+        fp32 group's master is its parameter buffer and counts 0)."""
+        separate = [m for m, f in zip(self._masters, self._flat, strict=True) if m is not f.buffer]
+        return sum(m.numel() * m.element_size() for m in separate)
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient storage ZeRO holds on this rank right now."""
+        return self._store.nbytes()
+
+    @property
+    def reduction(self) -> GradientReduction:
+        """How gradients are combined over the data-parallel group."""
+        return self._store.settings.reduction
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage."""
+        return self.config.stage
+
+    @property
+    def partition_count(self) -> int:
+        """Ranks the masters are partitioned over (1 at stage 0)."""
+        return self._partitions
+
+    @property
+    def partition_rank(self) -> int:
+        """This rank's partition index (0 at stage 0)."""
+        return self._partition_rank

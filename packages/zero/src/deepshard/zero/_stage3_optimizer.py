@@ -335,7 +335,7 @@ class Stage3Optimizer(ZeroOptimizer):
         """The ZeRO stage: 3."""
         return 3
 
-    def offload_states(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ARG002
+    def offload_states(self, *args: Any, **kwargs: Any) -> Any:
         """Refused at stage 3 for now (stages 0-2 have it).
 
         Raises:

@@ -1,7 +1,9 @@
 """ZeRO stages 0-3: partitioned optimizer state, master weights, gradients and parameters.
 
 Stage 3 is two verbs: `shard` partitions a model's parameters (the model side, a
-`ShardedModule`), and ``ZeroOptimizer(inner, sharded_module)`` steps the partitions.
+`ShardedModule`), and ``ZeroOptimizer(inner, sharded_module)`` steps the partitions. `Init`
+builds a model partitioned from the start; `GatheredParameters` and `partition` make stage-3
+parameters whole by hand and write them back.
 
 `ZeroOptimizer` wraps any element-wise ``torch.optim.Optimizer`` (`build_zero_optimizer` builds
 it from a DeepSpeed config), and Muon through a `FullGradTransform` of whole gradients; the
@@ -10,10 +12,12 @@ importable on its own and needs no process group.
 """
 
 from deepshard.zero._full_grads import FullGradTransform
+from deepshard.zero._gathered import GatheredParameters, partition
+from deepshard.zero._init import Init
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._settings import zero_problems
-from deepshard.zero._shard import register_external_parameter, shard, shard_info
+from deepshard.zero._shard import register_external_parameter, shard, shard_info, sharded_module_of
 from deepshard.zero._shard_info import ShardInfo
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._stage3_optimizer import Stage3Optimizer
@@ -40,8 +44,10 @@ __all__ = [
     "FlatLayout",
     "FullGradTransform",
     "GatherCall",
+    "GatheredParameters",
     "GradNorm",
     "GradientReduction",
+    "Init",
     "ParamShard",
     "ParamSlot",
     "ShardInfo",
@@ -57,6 +63,7 @@ __all__ = [
     "global_grad_norm",
     "grad_overflow",
     "is_zero_safe",
+    "partition",
     "plan_flat_layout",
     "plan_gather_calls",
     "reduce_bucket",
@@ -64,6 +71,7 @@ __all__ = [
     "scale_factor",
     "shard",
     "shard_info",
+    "sharded_module_of",
     "torch_dtype",
     "zero_problems",
 ]

@@ -14,6 +14,7 @@ importable on its own and needs no process group.
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._gathered import GatheredParameters, partition
 from deepshard.zero._init import Init
+from deepshard.zero._init_settings import stage3_policy
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._settings import zero_problems
@@ -72,6 +73,7 @@ __all__ = [
     "shard",
     "shard_info",
     "sharded_module_of",
+    "stage3_policy",
     "torch_dtype",
     "zero_problems",
 ]

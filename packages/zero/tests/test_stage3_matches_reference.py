@@ -2,10 +2,10 @@
 
 The odd-sized MLP of `_training` with each ``Linear`` a unit (parameters straddle the rank
 boundary inside every unit), AdamW with two param groups (the groups cut across units), an LR
-scheduler and clipping; fp32 and bf16 (the bf16 runs with the eager policy), gradient accumulation 1 and 4. One policy releases
-every unit after use (no reuse, no persistence) and reduce-scatters in 200-element calls, so
-every forward and backward re-gathers; the other keeps DeepSpeed's defaults. Tolerances are the
-stage 0-2 test's (`test_stage_matches_reference.py`).
+scheduler and clipping; fp32 and bf16 (bf16 with the eager policy), gradient accumulation 1
+and 4. One policy (eager) releases every unit after use (no reuse, no persistence) and
+reduce-scatters in 200-element calls, so every forward and backward re-gathers; the other keeps
+DeepSpeed's defaults. Tolerances are the stage 0-2 test's (`test_stage_matches_reference.py`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def train_stage3(
     sharded = shard(
         model, group=group, policy=ZeroPolicy(unit_classes=(torch.nn.Linear,), **policy)
     )
-    zero = ZeroOptimizer(inner, sharded, config=ZeroConfig(stage=3), gradient_clipping=_training.CLIP)
+    zero = ZeroOptimizer(
+        inner, sharded, config=ZeroConfig(stage=3), gradient_clipping=_training.CLIP
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(zero, _training.lr_factor)
     mb = _training.GLOBAL_BATCH // (world * ga)
     losses, norms = [], []
@@ -84,7 +86,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _update_error(params: list[torch.Tensor], ref: list[torch.Tensor], init: list[torch.Tensor]) -> float:
+def _update_error(
+    params: list[torch.Tensor], ref: list[torch.Tensor], init: list[torch.Tensor]
+) -> float:
     off = sum(float(((p - r) ** 2).sum()) for p, r in zip(params, ref, strict=True)) ** 0.5
     moved = sum(float(((i - r) ** 2).sum()) for i, r in zip(init, ref, strict=True)) ** 0.5
     return off / moved

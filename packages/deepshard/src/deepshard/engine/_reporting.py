@@ -25,7 +25,7 @@ import torch
 
 from deepshard.comm import CommsLogger
 from deepshard.profiler import WallClockTimers
-from deepshard.zero import ZeroOptimizer
+from deepshard.zero import Stage3Optimizer, ZeroOptimizer
 
 __all__ = [
     "ProgressReporter",
@@ -88,8 +88,10 @@ def tensor_bytes(module: torch.nn.Module, zero: ZeroOptimizer | None) -> TensorB
     """
     params = {id(p): p for p in module.parameters()}.values()
     stray = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    # stage 3: gathered parameters are counted by their views; the partitions come on top
+    partitions = zero.sharded.partition_bytes() if isinstance(zero, Stage3Optimizer) else 0
     return TensorBytes(
-        parameters=sum(p.numel() * p.element_size() for p in params),
+        parameters=partitions + sum(p.numel() * p.element_size() for p in params),
         gradients=stray + (zero.gradient_bytes() if zero is not None else 0),
         master_weights=zero.master_bytes() if zero is not None else 0,
         optimizer_state=zero.optimizer_state_bytes() if zero is not None else 0,

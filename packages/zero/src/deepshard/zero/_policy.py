@@ -80,7 +80,9 @@ class ZeroPolicy:
             "stage3_max_reuse_distance": self.max_reuse_distance,
             "stage3_param_persistence_threshold": self.param_persistence_threshold,
         }
-        problems = [(key, f"must be >= 0, got {value}") for key, value in sizes.items() if value < 0]
+        problems = [
+            (key, f"must be >= 0, got {value}") for key, value in sizes.items() if value < 0
+        ]
         if self.reduce_bucket_size < 1:
             problems.append(("reduce_bucket_size", f"must be > 0, got {self.reduce_bucket_size}"))
         bad = [c for c in self.unit_classes if not issubclass(c, torch.nn.Module)]

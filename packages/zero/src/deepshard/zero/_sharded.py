@@ -148,7 +148,7 @@ class ShardedModule:
             self.fetcher.acquire_for_backward(index, position)
 
         for tensor in tensors:
-            tensor.register_hook(on_grad)
+            tensor.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
     def _on_grad(self, index: int, slot_index: int, param: torch.Tensor) -> None:
         if slot_index not in self.units[index].trainable:  # unfrozen after shard(): not ours

@@ -128,7 +128,8 @@ class Stage3Optimizer(ZeroOptimizer):
         ]
         self._views = self._map_param_groups(master_view_numel(optimizer, transformed=False))
         self._sub_groups = self._cut_sub_groups(self.config.sub_group_size)
-        self._boundary_flag, self._run_boundary = True, None
+        self._boundary_flag = True
+        self._run_boundary: bool | None = None
         self._no_sync_depth, self._pass_boundary, self._ready = 0, False, False
         sharded.add_pass_observer(self._on_begin, self._on_end)
         sharded.add_partition_observer(self._partitions_written)
@@ -349,4 +350,3 @@ class Stage3Optimizer(ZeroOptimizer):
     def remove_hooks(self) -> None:
         """Give the model back its whole parameters and detach every hook."""
         self.sharded.remove_hooks()
-

@@ -159,4 +159,3 @@ def _layout(
         world_size=world_size,
         bucket_numel=_ONE_BUCKET,
     )
-

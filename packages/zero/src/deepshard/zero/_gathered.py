@@ -150,7 +150,8 @@ class GatheredParameters:
         self._groups: list[tuple[Owner, list[Any]]] = []
         if not enabled:
             return
-        self._groups = _by_owner(_as_list(params, "GatheredParameters(params)"), "params")
+        argument = "GatheredParameters(params)"
+        self._groups = _by_owner(_as_list(params, argument), argument)
         for owner, _ in self._groups:
             size = owner.group.size()
             if modifier_rank is not None and not 0 <= modifier_rank < size:

@@ -101,7 +101,8 @@ def _problems(config: DeepShardConfig | None, remote_device: object) -> list[tup
                     "set 3 (or build the model without Init)",
                 )
             )
-        if config.zero_optimization.offload_param.device == "nvme":
+        offload = config.zero_optimization.offload_param
+        if offload is not None and offload.device == "nvme":
             problems.append(("zero_optimization.offload_param.device", f"'nvme': {nvme}"))
     return problems
 
@@ -146,6 +147,9 @@ def resolve_init_settings(
     if problems:
         raise ConfigError.from_problems(problems)
     dims = _dims(mesh, loaded)
+    offload = loaded.zero_optimization.offload_param if loaded is not None else None
+    if remote_device is None and offload is not None and offload.device == "cpu":
+        remote_device = "cpu"
     device_type = dims.mesh.device_type
     if remote_device == "cpu" or device_type == "cpu":
         device = torch.device("cpu")

@@ -43,7 +43,9 @@ def _train(mesh: Any) -> dict[Any, Any]:
         for step in range(STEPS):
             total = 0.0
             for micro in range(ga):
-                rows = _models.micro_batch(batch_of(step), micro=micro, rank=rank, world=world, ga=ga)
+                rows = _models.micro_batch(
+                    batch_of(step), micro=micro, rank=rank, world=world, ga=ga
+                )
                 total += engine.backward(loss_of(engine, rows, torch.float32)).item()
                 engine.step()
             losses.append(total)

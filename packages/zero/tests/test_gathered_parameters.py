@@ -93,8 +93,12 @@ def _masters(mesh: Any, rank: int) -> dict[str, Any]:
     _modify(model[0].weight, rank)
     info = shard_info(model[0].weight)
     doubled = _weight(sharded, model[0].weight).reshape(-1)[info.flat_start : info.flat_stop]
-    return {"before": before, "changed": master(model[0].weight), "kept": master(model[0].bias),
-            "doubled": doubled.float()}
+    return {
+        "before": before,
+        "changed": master(model[0].weight),
+        "kept": master(model[0].bias),
+        "doubled": doubled.float(),
+    }
 
 
 def _discard_nested_partition(mesh: Any, rank: int) -> dict[str, Any]:
@@ -139,8 +143,10 @@ def _fwd_module(mesh: Any) -> dict[str, int]:
             with GatheredParameters(model[0].weight, fwd_module=model[2]):
                 pass
 
-        def record(module: torch.nn.Module, args: Any, registered: bool = registered) -> None:
-            seen[str(registered)] = model[0].weight.numel()
+        def record(
+            module: torch.nn.Module, args: Any, key: str = str(registered), first: Any = model[0]
+        ) -> None:
+            seen[key] = first.weight.numel()
 
         model[2].register_forward_pre_hook(record)
         model(torch.zeros(1, _training.SIZES[0]))
@@ -236,10 +242,10 @@ def test_bad_input_without_a_world() -> None:
         Init(remote_device="nvme")
     with pytest.raises(ConfigError, match=r"Init\(remote_device=\)"):
         Init(remote_device="gpu")
-    with pytest.raises(ConfigError, match="zero_optimization.stage"):
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage"):
         Init(config={"zero_optimization": {"stage": 2}})
     nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}
-    with pytest.raises(ConfigError, match="zero_optimization.offload_param.device"):
+    with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.device"):
         Init(config={"zero_optimization": nvme})
     with pytest.raises(ConfigError, match="not a ZeRO stage-3"):
         GatheredParameters(torch.nn.Linear(2, 2).weight)

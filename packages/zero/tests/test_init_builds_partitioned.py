@@ -108,14 +108,14 @@ def _train(model: torch.nn.Module, sharded: Any, rank: int, world: int) -> dict[
 
 
 def _memory(mesh: Any) -> dict[str, int]:
-    from deepshard.zero import Init
+    from deepshard.zero import Init, sharded_module_of
 
     with LiveBytes() as plain:
         model = wide_mlp()
     del model
-    with LiveBytes() as under_init:
-        with Init(mesh=mesh, policy=_units()):
-            model = wide_mlp()
+    with LiveBytes() as under_init, Init(mesh=mesh, policy=_units()):
+        model = wide_mlp()  # alive at exit: sharded there, which the count includes
+    assert sharded_module_of(model) is not None
     return {"plain": plain.peak, "init": under_init.peak}
 
 

@@ -77,7 +77,8 @@ def check_init_built(
             (
                 "Init(dtype=)",
                 f"the partitions are {', '.join(dtypes)} but the config trains in "
-                f"{param_dtype}; build the model under Init(config=...) or Init(dtype={param_dtype})",
+                f"{param_dtype}; build the model under Init(config=...) or "
+                f"Init(dtype={param_dtype})",
             )
         )
     devices = sorted({str(p.device) for p in parts})
@@ -92,8 +93,11 @@ def check_init_built(
     group = dist.get_process_group_ranks(resolve_group(dims.dense_dp))
     if dist.get_process_group_ranks(sharded.group) != group:
         problems.append(
-            ("Init(mesh=)", f"the model is partitioned over other ranks than {group}; pass the "
-             "mesh (or ParallelDims) initialize uses")
+            (
+                "Init(mesh=)",
+                f"the model is partitioned over other ranks than {group}; pass the "
+                "mesh (or ParallelDims) initialize uses",
+            )
         )
     if problems:
         raise ConfigError.from_problems(problems)

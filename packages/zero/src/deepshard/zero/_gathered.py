@@ -112,8 +112,10 @@ def _broadcast_and_write(sharded: ShardedModule, params: list[Any], src: int) ->
             log_name="zero3_modifier_broadcast",
         )
         if len(views) > 1:
-            for view, piece in zip(views, packed.split([v.numel() for v in views]), strict=True):
-                view.copy_(piece)
+            offset = 0
+            for view in views:
+                view.copy_(packed[offset : offset + view.numel()])
+                offset += view.numel()
         for param, view in zip(members, views, strict=True):
             _write_local(sharded, param, view)
     sharded.partitions_written(units)
@@ -228,8 +230,9 @@ def partition(params: torch.Tensor | Iterable[torch.Tensor], *, free_data: bool 
     Raises:
         ConfigError: A tensor ZeRO stage 3 does not own, or one that is not whole.
     """
-    for owner, members in _by_owner(_as_list(params, "partition(params)"), "partition(params)"):
-        sharded = owner_of(members[0], argument="partition(params)")
+    argument = "partition(params)"
+    for _, members in _by_owner(_as_list(params, argument), argument):
+        sharded = owner_of(members[0], argument=argument)
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         for param in members:
             info = sharded.shard_info(param)

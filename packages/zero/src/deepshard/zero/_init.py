@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 import weakref
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -53,14 +53,14 @@ __all__ = ["Init"]
 def _modules_being_built() -> set[int]:
     """Ids of the modules whose ``__init__`` is running (some frame on the stack)."""
     active: set[int] = set()
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "__init__" and code.co_argcount > 0:
             first = frame.f_locals.get(code.co_varnames[0])
             if isinstance(first, torch.nn.Module):
                 active.add(id(first))
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return active
 
 

@@ -141,4 +141,3 @@ class InitSlices:
             held.gathered -= 1
             if held.gathered == 0:
                 param.data = torch.empty(0, dtype=held.piece.dtype, device=self.device)
-

@@ -144,9 +144,7 @@ def register_external_parameter(module: torch.nn.Module, param: torch.Tensor) ->
     sharded.register_external_parameter(module, param)
 
 
-def shard_info(
-    first: ShardedModule | torch.Tensor, param: torch.Tensor | None = None
-) -> ShardInfo:
+def shard_info(first: ShardedModule | torch.Tensor, param: torch.Tensor | None = None) -> ShardInfo:
     """The full shape, numel, dtype, slice and `ShardMap` of a stage-3 parameter.
 
     ``shard_info(param)`` finds the parameter's `ShardedModule` through ZeRO's hook on it;

@@ -116,12 +116,14 @@ class ShardedModule:
     # --- hooks ------------------------------------------------------------------------
 
     def _attach(self) -> None:
-        for plan, state in zip(self.plans, self.units, strict=True):
+        for plan in self.plans:
             hook = UnitHook(self, plan.index)
             self._hooks.append(plan.module.register_forward_pre_hook(hook))
             self._hooks.append(plan.module.register_forward_hook(hook.post))
             for slot_index, param in enumerate(plan.params):
-                self._hooks.append(register_param_hook(param, ParamHook(self, plan.index, slot_index)))
+                self._hooks.append(
+                    register_param_hook(param, ParamHook(self, plan.index, slot_index))
+                )
 
     def _pre_forward(self, hook: UnitHook) -> None:
         root = hook.index == 0
@@ -237,7 +239,7 @@ class ShardedModule:
             u.pending.clear()
 
     def add_partition_observer(self, on_written: Callable[[Sequence[int]], None]) -> None:
-        """Call ``on_written(units)`` after `partitions_written` (the optimizer's masters follow)."""
+        """Call ``on_written(units)`` on `partitions_written` (the optimizer's masters follow)."""
         self._writers.append(on_written)
 
     def partitions_written(self, units: Sequence[int]) -> None:
@@ -375,10 +377,10 @@ def register_param_hook(
     param: torch.nn.Parameter, hook: Callable[[torch.Tensor], None]
 ) -> torch.utils.hooks.RemovableHandle:
     """``param.register_post_accumulate_grad_hook(hook)``, for a frozen parameter too."""
-    if param.requires_grad:
-        return param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
-    param.requires_grad_(True)  # torch refuses hooks on frozen tensors; it never fires here
+    frozen = not param.requires_grad
+    param.requires_grad_(True)  # torch refuses hooks on frozen tensors; it never fires there
     try:
-        return param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+        handle: torch.utils.hooks.RemovableHandle = param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
     finally:
-        param.requires_grad_(False)
+        param.requires_grad_(not frozen)
+    return handle

@@ -44,6 +44,7 @@ from deepshard.engine._components import (
 )
 from deepshard.engine._dataloader import build_dataloader
 from deepshard.engine._engine import DeepShardEngine, EngineParts
+from deepshard.engine._init_built import check_init_built
 from deepshard.engine._logging import announce, log_all_ranks
 from deepshard.engine._precision import plan_precision
 from deepshard.engine._profiling import StepProfiling
@@ -241,6 +242,7 @@ def initialize(
     announce(parsed, rank=dims.rank, environ=os.environ)
     device = _device(dims.mesh)
     precision = plan_precision(parsed, device.type)
+    check_init_built(model, parsed, dims=dims, param_dtype=precision.param_dtype, device=device)
     precision.cast_model(model, device)
     comms = _comms_logger(parsed, dims.rank)
     params = default_parameters(model, parsed) if model_parameters is None else model_parameters

@@ -17,7 +17,8 @@ their buckets whole and gives Muon the finished update (see `deepshard.zero.Full
 
 Stage 3 shards the (cast) model first (`deepshard.zero.shard` on ``dims.dense_dp`` with the
 policy of the ``zero_optimization`` section), then builds the optimizer side on it; the module
-stays the user's object.
+stays the user's object. A model built under `deepshard.zero.Init` is sharded already: its
+`ShardedModule` (checked by `deepshard.engine._init_built`) is used as it is.
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ from deepshard.comm import CommsLogger, ParallelDims
 from deepshard.interface import DeepShardConfig, PlacementRegistry
 from deepshard.interface.errors import ConfigError
 from deepshard.optimizers import Muon, muon_update
-from deepshard.zero import ZeroOptimizer, ZeroPolicy, build_zero_optimizer, shard
-from deepshard.zero.reduction import GradientReduction, torch_dtype
+from deepshard.zero import (
+    ZeroOptimizer,
+    build_zero_optimizer,
+    shard,
+    sharded_module_of,
+    stage3_policy,
+)
 
 __all__ = ["parallel_dims", "wrap_with_zero"]
 
@@ -79,25 +85,15 @@ def wrap_with_zero(
             raise ConfigError.from_problems(
                 [("optimizer", "Muon is not wired at ZeRO stage 3 yet; use stage 2 with Muon")]
             )
-        policy = ZeroPolicy.from_config(
-            config.zero_optimization,
-            reduction=GradientReduction.from_names(
-                op=config.gradient_allreduce_op,
-                prescale=config.prescale_gradients,
-                predivide_factor=config.gradient_predivide_factor,
-                dtype=config.communication_data_type,
-            ),
-            grad_accum_dtype=torch_dtype(
-                config.data_types.grad_accum_dtype, key="data_types.grad_accum_dtype"
-            ),
-        )
-        sharded = shard(
-            module,
-            parallel_dims=dims,
-            policy=policy,
-            placements=placements,
-            comms_logger=comms_logger,
-        )
+        sharded = sharded_module_of(module)  # built under deepshard.zero.Init, checked
+        if sharded is None:
+            sharded = shard(
+                module,
+                parallel_dims=dims,
+                policy=stage3_policy(config),
+                placements=placements,
+                comms_logger=comms_logger,
+            )
     return build_zero_optimizer(
         optimizer,
         config,

@@ -1,7 +1,9 @@
 """ZeRO stages 0-3: partitioned optimizer state, master weights, gradients and parameters.
 
 Stage 3 is two verbs: `shard` partitions a model's parameters (the model side, a
-`ShardedModule`), and ``ZeroOptimizer(inner, sharded_module)`` steps the partitions.
+`ShardedModule`), and ``ZeroOptimizer(inner, sharded_module)`` steps the partitions. `Init`
+builds a model partitioned from the start; `GatheredParameters` and `partition` make stage-3
+parameters whole by hand and write them back.
 
 `offload_saved_tensors` moves the activations autograd saves to host memory until backward.
 
@@ -14,10 +16,13 @@ functions (`deepshard.zero.access`) read and write one parameter's master, gradi
 """
 
 from deepshard.zero._full_grads import FullGradTransform
+from deepshard.zero._gathered import GatheredParameters, partition
+from deepshard.zero._init import Init
+from deepshard.zero._init_settings import stage3_policy
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._settings import zero_problems
-from deepshard.zero._shard import register_external_parameter, shard, shard_info
+from deepshard.zero._shard import register_external_parameter, shard, shard_info, sharded_module_of
 from deepshard.zero._shard_info import ShardInfo
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._stage3_optimizer import Stage3Optimizer
@@ -62,8 +67,10 @@ __all__ = [
     "FlatLayout",
     "FullGradTransform",
     "GatherCall",
+    "GatheredParameters",
     "GradNorm",
     "GradientReduction",
+    "Init",
     "OffloadReport",
     "OffloadStats",
     "ParamShard",
@@ -84,6 +91,7 @@ __all__ = [
     "grad_overflow",
     "is_zero_safe",
     "offload_saved_tensors",
+    "partition",
     "plan_flat_layout",
     "plan_gather_calls",
     "reduce_bucket",
@@ -103,6 +111,8 @@ __all__ = [
     "scale_factor",
     "shard",
     "shard_info",
+    "sharded_module_of",
+    "stage3_policy",
     "torch_dtype",
     "zero_problems",
 ]

@@ -163,6 +163,24 @@ class Fetcher:
             if i not in self.resident and self.in_use[i] <= 0 and i not in self.held:
                 u.release()
 
+    def pin(self, indices: Sequence[int]) -> None:
+        """Gather ``indices`` and count them in use until `unpin` (held by hand)."""
+        for u in indices:
+            self.in_use[u] += 1
+        self._demand(list(indices))
+
+    def unpin(self, indices: Sequence[int]) -> None:
+        """End one `pin`: release each unit that is no longer in use or held (resident too)."""
+        for u in indices:
+            self.in_use[u] -= 1
+        self.release_unused(indices)
+
+    def release_unused(self, indices: Sequence[int]) -> None:
+        """Release each of ``indices`` that is not in use or held (resident ones too)."""
+        for u in indices:
+            if self.in_use[u] <= 0 and u not in self.held:
+                self.units[u].release()
+
     def release_all(self) -> None:
         """Release every unit (the partitions changed: what is gathered is stale)."""
         for u in self.units:

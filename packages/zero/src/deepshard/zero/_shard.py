@@ -10,11 +10,15 @@ given it as second argument) and `shard_info` work through.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
 import torch
 
 from deepshard.comm import CommsLogger, Group, ParallelDims, resolve_group
 from deepshard.interface import PlacementRegistry
 from deepshard.interface.errors import ConfigError
+from deepshard.zero._lookup import owner_of
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._shard_info import ShardInfo, build_shard_infos
 from deepshard.zero._sharded import ShardedModule, UnitHook
@@ -78,11 +82,45 @@ def shard(
     pg = resolve_group(parallel_dims.dense_dp if parallel_dims is not None else group)
     if policy.param_dtype is not None:
         module.to(policy.param_dtype)
-    plans = plan_units(module, policy, world_size=pg.size())
+    return build_sharded(module, pg, policy, placements, comms_logger)
+
+
+class ParamSource(Protocol):
+    """Where `build_sharded` gets parameters that are not whole (`deepshard.zero.Init`'s)."""
+
+    def full_shapes(self) -> Mapping[int, tuple[int, ...]]:
+        """The full shape of every parameter it holds, by ``id``."""
+        ...
+
+    def materialize(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Make those of ``params`` it holds whole again (a collective) and forget them."""
+        ...
+
+
+def build_sharded(
+    module: torch.nn.Module,
+    pg: torch.distributed.ProcessGroup,
+    policy: ZeroPolicy,
+    placements: PlacementRegistry | None,
+    comms_logger: CommsLogger | None,
+    *,
+    source: ParamSource | None = None,
+) -> ShardedModule:
+    """`shard` after its checks: plan the units, then build and release them one at a time.
+
+    With ``source``, parameters already partitioned elsewhere are made whole one unit at a
+    time, just before their unit keeps its chunk (so at most one unit is whole at once).
+    """
+    shapes = source.full_shapes() if source is not None else None
+    plans = plan_units(module, policy, world_size=pg.size(), shapes=shapes)
     infos = build_shard_infos(plans, pg, placements)
-    states = [UnitState(plan, pg, comms_logger) for plan in plans]
-    for state in states:
+    states = []
+    for plan in plans:
+        if source is not None:
+            source.materialize(plan.params)
+        state = UnitState(plan, pg, comms_logger)
         state.release()
+        states.append(state)
     return ShardedModule(module, plans, states, infos, pg, policy, comms_logger)
 
 
@@ -106,6 +144,17 @@ def register_external_parameter(module: torch.nn.Module, param: torch.Tensor) ->
     sharded.register_external_parameter(module, param)
 
 
-def shard_info(sharded: ShardedModule, param: torch.Tensor) -> ShardInfo:
-    """``sharded.shard_info(param)``: the full shape, numel, dtype, slice and `ShardMap`."""
-    return sharded.shard_info(param)
+def shard_info(first: ShardedModule | torch.Tensor, param: torch.Tensor | None = None) -> ShardInfo:
+    """The full shape, numel, dtype, slice and `ShardMap` of a stage-3 parameter.
+
+    ``shard_info(param)`` finds the parameter's `ShardedModule` through ZeRO's hook on it;
+    ``shard_info(sharded, param)`` is ``sharded.shard_info(param)``.
+
+    Raises:
+        ConfigError: The tensor is not a parameter of a sharded model.
+    """
+    if isinstance(first, ShardedModule):
+        if param is None:
+            raise ConfigError("shard_info(sharded, param): param is missing")
+        return first.shard_info(param)
+    return owner_of(first, argument="shard_info(param)").shard_info(first)

@@ -67,7 +67,11 @@ def build_shard_infos(
     Raises:
         TopologyError: As `deepshard.zero._placements.resolve_placements`.
     """
-    params = [list(p.params) for p in plans]
+    # Shape stand-ins: the parameters themselves may be partitioned already (`Init`).
+    params = [
+        [torch.empty(slot.shape, dtype=p.dtype, device="meta") for slot in p.layout.slots]
+        for p in plans
+    ]
     names = [list(p.param_names) for p in plans]
     where = resolve_placements(group, params, names, placements)
     shards = iter(param_shards([p.layout for p in plans], names, where))
@@ -81,6 +85,6 @@ def build_shard_infos(
                 (mine[0].flat_start, mine[0].flat_stop, mine[0].local_offset) if mine else (0, 0, 0)
             )
             infos[id(param)] = ShardInfo(
-                name, plan.index, tuple(param.shape), param.dtype, start, stop, local, shard
+                name, plan.index, slot.shape, plan.dtype, start, stop, local, shard
             )
     return infos

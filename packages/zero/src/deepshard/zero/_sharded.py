@@ -22,7 +22,7 @@ Observers (the optimizer side) are told when a backward pass begins and ends.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from deepshard.zero._shard_info import ShardInfo
 from deepshard.zero._unit_state import UnitState
 from deepshard.zero._units import UnitPlan
 
-__all__ = ["PassObserver", "ShardedModule", "UnitHook"]
+__all__ = ["ParamHook", "PassObserver", "ShardedModule", "UnitHook", "register_param_hook"]
 
 PassObserver = tuple[Callable[[], None], Callable[[], None]]
 """``(on_begin, on_end)`` of every backward pass."""
@@ -57,6 +57,20 @@ class UnitHook:
     def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """The forward post-hook."""
         self.sharded._post_forward(self, output)
+
+
+class ParamHook:
+    """The post-accumulate-grad hook on every parameter a unit owns; it names the `ShardedModule`.
+
+    Frozen parameters get one too (it never fires for them), so any owned parameter leads to
+    its `ShardedModule` (`deepshard.zero._lookup`) without an attribute on the parameter.
+    """
+
+    def __init__(self, sharded: ShardedModule, index: int, slot_index: int) -> None:
+        self.sharded, self.index, self.slot_index = sharded, index, slot_index
+
+    def __call__(self, param: torch.Tensor) -> None:
+        self.sharded._on_grad(self.index, self.slot_index, param)
 
 
 class ShardedModule:
@@ -93,6 +107,7 @@ class ShardedModule:
         self._scheduler = BucketScheduler(order, members, self._launch, inflight)
         self._arrived: list[set[int]] = [set() for _ in plans]
         self._observers: list[PassObserver] = []
+        self._writers: list[Callable[[Sequence[int]], None]] = []
         self._in_pass = False
         self._passes = 0
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -101,14 +116,14 @@ class ShardedModule:
     # --- hooks ------------------------------------------------------------------------
 
     def _attach(self) -> None:
-        for plan, state in zip(self.plans, self.units, strict=True):
+        for plan in self.plans:
             hook = UnitHook(self, plan.index)
             self._hooks.append(plan.module.register_forward_pre_hook(hook))
             self._hooks.append(plan.module.register_forward_hook(hook.post))
-            for slot_index in state.trainable:
-                param = plan.params[slot_index]
-                grad_hook = self._grad_hook(plan.index, slot_index)
-                self._hooks.append(param.register_post_accumulate_grad_hook(grad_hook))  # type: ignore[no-untyped-call]
+            for slot_index, param in enumerate(plan.params):
+                self._hooks.append(
+                    register_param_hook(param, ParamHook(self, plan.index, slot_index))
+                )
 
     def _pre_forward(self, hook: UnitHook) -> None:
         root = hook.index == 0
@@ -137,19 +152,18 @@ class ShardedModule:
         for tensor in tensors:
             tensor.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
-    def _grad_hook(self, index: int, slot_index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            grad, param.grad = param.grad, None
-            if grad is None:
-                return
-            self._begin_pass_once()
-            self.units[index].take_grad(slot_index, grad)
-            self._arrived[index].add(slot_index)
-            self._scheduler.arrived(index, slot_index)
-            if len(self._arrived[index]) == len(self.units[index].trainable):
-                self.fetcher.grads_complete(index)
-
-        return hook
+    def _on_grad(self, index: int, slot_index: int, param: torch.Tensor) -> None:
+        if slot_index not in self.units[index].trainable:  # unfrozen after shard(): not ours
+            return
+        grad, param.grad = param.grad, None
+        if grad is None:
+            return
+        self._begin_pass_once()
+        self.units[index].take_grad(slot_index, grad)
+        self._arrived[index].add(slot_index)
+        self._scheduler.arrived(index, slot_index)
+        if len(self._arrived[index]) == len(self.units[index].trainable):
+            self.fetcher.grads_complete(index)
 
     # --- backward passes --------------------------------------------------------------
 
@@ -223,6 +237,38 @@ class ShardedModule:
         for u in self.units:
             u.grad_partition = None
             u.pending.clear()
+
+    def add_partition_observer(self, on_written: Callable[[Sequence[int]], None]) -> None:
+        """Call ``on_written(units)`` on `partitions_written` (the optimizer's masters follow)."""
+        self._writers.append(on_written)
+
+    def partitions_written(self, units: Sequence[int]) -> None:
+        """``units``' partitions were written from outside a step (`GatheredParameters`)."""
+        for on_written in self._writers:
+            on_written(units)
+
+    def hold(self, units: Sequence[int]) -> None:
+        """Gather ``units`` and keep them gathered until as many `unhold` calls.
+
+        Raises:
+            CommError: During a backward pass.
+        """
+        if self._in_pass:
+            raise CommError("ZeRO stage-3 parameters were gathered by hand during a backward pass")
+        self.fetcher.pin(units)
+
+    def unhold(self, units: Sequence[int]) -> None:
+        """End one `hold`; a unit nobody holds or runs any more is released (resident too)."""
+        self.fetcher.unpin(units)
+
+    def release_unused(self, units: Sequence[int]) -> None:
+        """Release each of ``units`` that nothing holds or runs (resident ones too)."""
+        self.fetcher.release_unused(units)
+
+    @property
+    def comms_logger(self) -> CommsLogger | None:
+        """Records the collectives."""
+        return self._logger
 
     def partitions_updated(self) -> None:
         """The partitions changed (optimizer step): release everything gathered, now stale."""
@@ -325,3 +371,16 @@ class ShardedModule:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def register_param_hook(
+    param: torch.nn.Parameter, hook: Callable[[torch.Tensor], None]
+) -> torch.utils.hooks.RemovableHandle:
+    """``param.register_post_accumulate_grad_hook(hook)``, for a frozen parameter too."""
+    frozen = not param.requires_grad
+    param.requires_grad_(True)  # torch refuses hooks on frozen tensors; it never fires there
+    try:
+        handle: torch.utils.hooks.RemovableHandle = param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+    finally:
+        param.requires_grad_(not frozen)
+    return handle

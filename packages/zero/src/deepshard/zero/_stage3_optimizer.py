@@ -21,7 +21,7 @@ is left is the arithmetic of stages 0-2 on those partitions:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -133,6 +133,19 @@ class Stage3Optimizer(ZeroOptimizer):
         self._no_sync_depth, self._pass_boundary, self._ready = 0, False, False
         self._offloaded = {}  # `offload_states` bookkeeping; stage 3 refuses it for now
         sharded.add_pass_observer(self._on_begin, self._on_end)
+        sharded.add_partition_observer(self._partitions_written)
+
+    def _partitions_written(self, units: Sequence[int]) -> None:
+        """Partitions written by hand (`GatheredParameters`): the masters take the new values.
+
+        Only elements whose partition value differs from the master rounded to it change, so
+        an fp32 master keeps its precision wherever a bf16 partition was not modified.
+        """
+        for unit in units:
+            master, partition = self._masters[unit], self.sharded.units[unit].partition
+            if master is not partition:
+                changed = master.to(partition.dtype) != partition
+                master[changed] = partition[changed].to(master.dtype)
 
     def _map_param_groups(self, max_numel: int | None) -> list[View]:
         views: list[View] = []

@@ -58,6 +58,7 @@ class UnitState:
         self._handle: CommHandle[torch.Tensor] | None = None
         self.gathered = True
         self._empty = torch.empty(0, dtype=plan.dtype, device=device)
+        self._point_params()  # the parameters' own storage goes now (`release` frees the buffer)
 
     @property
     def numel(self) -> int:
@@ -103,13 +104,16 @@ class UnitState:
             param.data = self.buffer[slot.offset : slot.stop].view(slot.shape)
 
     def release(self) -> None:
-        """Free the gathered buffer; parameters become empty tensors of their dtype."""
+        """Free the gathered buffer; parameters on it become empty tensors of their dtype."""
         if self._handle is not None:
             self.wait_gather()
         if not self.gathered:
             return
+        storage = self.buffer.untyped_storage().data_ptr()
         for param in self.plan.params:
-            param.data = self._empty
+            # a parameter given storage of its own (``partition(free_data=False)``) keeps it
+            if param.data.untyped_storage().data_ptr() == storage:
+                param.data = self._empty
         self.buffer.untyped_storage().resize_(0)
         self.gathered = False
 

@@ -15,6 +15,7 @@ partition is chunk ``r`` of the buffer and one all-gather rebuilds the whole uni
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -83,11 +84,17 @@ def _unit_of_modules(module: torch.nn.Module, policy: ZeroPolicy) -> dict[str, s
 
 
 def plan_units(
-    module: torch.nn.Module, policy: ZeroPolicy, *, world_size: int
+    module: torch.nn.Module,
+    policy: ZeroPolicy,
+    *,
+    world_size: int,
+    shapes: Mapping[int, tuple[int, ...]] | None = None,
 ) -> tuple[UnitPlan, ...]:
     """The units of ``module`` under ``policy`` and their flat layouts over ``world_size`` ranks.
 
     Units that own no parameter are left out, except the root (index 0), which always exists.
+    ``shapes`` gives the full shape of parameters (by ``id``) whose ``.data`` is not whole
+    (partitioned by `deepshard.zero.Init`); the others' own shapes are used.
 
     Raises:
         ConfigError: A unit's parameters mix dtypes or devices.
@@ -120,14 +127,19 @@ def plan_units(
                 modules[name],
                 tuple(n for n, _ in params),
                 tuple(p for _, p in params),
-                _layout(name, [p for _, p in params], world_size),
+                _layout(name, [p for _, p in params], world_size, shapes or {}),
                 tuple(external),
             )
         )
     return tuple(plans)
 
 
-def _layout(name: str, params: list[torch.nn.Parameter], world_size: int) -> FlatLayout:
+def _layout(
+    name: str,
+    params: list[torch.nn.Parameter],
+    world_size: int,
+    shapes: Mapping[int, tuple[int, ...]],
+) -> FlatLayout:
     kinds = {(p.dtype, p.device) for p in params}
     if len(kinds) > 1:
         raise ConfigError(
@@ -142,7 +154,7 @@ def _layout(name: str, params: list[torch.nn.Parameter], world_size: int) -> Fla
         )
     element_size = params[0].element_size() if params else 4
     return plan_flat_layout(
-        [tuple(p.shape) for p in params],
+        [shapes.get(id(p), tuple(p.shape)) for p in params],
         element_size=element_size,
         world_size=world_size,
         bucket_numel=_ONE_BUCKET,

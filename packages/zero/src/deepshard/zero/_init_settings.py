@@ -1,0 +1,162 @@
+"""What a `deepshard.zero.Init` block partitions over and into, read from its arguments.
+
+Every refusal is collected before anything is built. The policy is the one the engine builds
+from the same config (`stage3_policy`), so ``initialize`` can use the model built under ``Init``
+as it is; the dtype follows the config's precision sections when ``dtype`` is not given, as
+DeepSpeed's ``zero.Init`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from deepshard.accelerators import get_accelerator
+from deepshard.comm import ParallelDims, resolve_group
+from deepshard.interface import DeepShardConfig, Topology
+from deepshard.interface.errors import ConfigError
+from deepshard.zero._policy import ZeroPolicy
+from deepshard.zero.reduction import GradientReduction, torch_dtype
+
+__all__ = ["InitSettings", "resolve_init_settings", "stage3_policy"]
+
+ConfigSource = DeepShardConfig | dict[str, Any] | str | Path
+
+
+@dataclass(frozen=True)
+class InitSettings:
+    """Where an `Init` block's partitions live and how its models are cut.
+
+    Attributes:
+        group: The data-parallel group partitions are cut over (``dense_dp``).
+        topology: The mesh's layout, for the parameters' placements.
+        dtype: Floating parameters are cast to it while partitioned; ``None`` keeps theirs.
+        device: Where the partitions live.
+        policy: Units and stage-3 knobs of the sharded models.
+    """
+
+    group: dist.ProcessGroup
+    topology: Topology
+    dtype: torch.dtype | None
+    device: torch.device
+    policy: ZeroPolicy
+
+
+def stage3_policy(config: DeepShardConfig) -> ZeroPolicy:
+    """The `ZeroPolicy` of a whole config: its ``zero_optimization`` section, the reduction
+    settings (``gradient_allreduce_op``, pre-division, ``communication_data_type``) and
+    ``data_types.grad_accum_dtype`` (what the engine shards with)."""
+    return ZeroPolicy.from_config(
+        config.zero_optimization,
+        reduction=GradientReduction.from_names(
+            op=config.gradient_allreduce_op,
+            prescale=config.prescale_gradients,
+            predivide_factor=config.gradient_predivide_factor,
+            dtype=config.communication_data_type,
+        ),
+        grad_accum_dtype=torch_dtype(
+            config.data_types.grad_accum_dtype, key="data_types.grad_accum_dtype"
+        ),
+    )
+
+
+def _load(config: ConfigSource | None) -> DeepShardConfig | None:
+    if config is None or isinstance(config, DeepShardConfig):
+        return config
+    if isinstance(config, dict):
+        return DeepShardConfig.from_dict(config)
+    if isinstance(config, (str, Path)):
+        return DeepShardConfig.from_file(config)
+    raise ConfigError(
+        f"Init(config=): expected a path, a dict or a DeepShardConfig, got {type(config).__name__}"
+    )
+
+
+def _config_dtype(config: DeepShardConfig) -> torch.dtype | None:
+    if config.fp16.enabled:
+        return torch.float16
+    if config.bf16.enabled:
+        return torch.bfloat16
+    return torch_dtype(config.data_types.param_dtype, key="data_types.param_dtype")
+
+
+def _problems(config: DeepShardConfig | None, remote_device: object) -> list[tuple[str, str]]:
+    problems = []
+    nvme = "nvme partitions are not supported yet (zero_optimization.offload_param.device)"
+    if remote_device == "nvme":
+        problems.append(("Init(remote_device=)", f"'nvme': {nvme}; use None or 'cpu'"))
+    elif remote_device not in (None, "cpu"):
+        problems.append(("Init(remote_device=)", f"{remote_device!r}: use None or 'cpu'"))
+    if config is not None:
+        if config.zero_optimization.stage != 3:
+            problems.append(
+                (
+                    "zero_optimization.stage",
+                    f"{config.zero_optimization.stage}, but Init builds ZeRO stage-3 models: "
+                    "set 3 (or build the model without Init)",
+                )
+            )
+        offload = config.zero_optimization.offload_param
+        if offload is not None and offload.device == "nvme":
+            problems.append(("zero_optimization.offload_param.device", f"'nvme': {nvme}"))
+    return problems
+
+
+def _dims(mesh: DeviceMesh | ParallelDims | None, config: DeepShardConfig | None) -> ParallelDims:
+    if isinstance(mesh, ParallelDims):
+        return mesh
+    if isinstance(mesh, DeviceMesh):
+        return ParallelDims.from_mesh(mesh)
+    if mesh is not None:
+        raise ConfigError(
+            f"Init(mesh=): expected a DeviceMesh or a deepshard.comm.ParallelDims, got "
+            f"{type(mesh).__name__}"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            "Init(mesh=None) needs a distributed world: pass mesh= (deepshard.comm.build_mesh) "
+            "or join the world first (deepshard.comm.init_distributed)"
+        )
+    world = dist.get_world_size()
+    return ParallelDims.build(config.topology(world) if config else Topology(dp=world))
+
+
+def resolve_init_settings(
+    config: ConfigSource | None,
+    mesh: DeviceMesh | ParallelDims | None,
+    dtype: torch.dtype | None,
+    remote_device: str | None,
+    policy: ZeroPolicy | None,
+) -> InitSettings:
+    """Check `Init`'s arguments and read what it needs from them.
+
+    Raises:
+        ConfigError: A bad ``remote_device`` (``"nvme"`` names ``offload_param``), a config
+            that is not stage 3 or offloads parameters to NVMe, no mesh and no distributed
+            world, or an argument of the wrong type. Every problem is listed at once.
+    """
+    loaded = _load(config)
+    problems = _problems(loaded, remote_device)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        problems.append(("Init(dtype=)", f"{dtype!r}: use a floating torch.dtype or None"))
+    if problems:
+        raise ConfigError.from_problems(problems)
+    dims = _dims(mesh, loaded)
+    offload = loaded.zero_optimization.offload_param if loaded is not None else None
+    if remote_device is None and offload is not None and offload.device == "cpu":
+        remote_device = "cpu"
+    device_type = dims.mesh.device_type
+    if remote_device == "cpu" or device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        device = get_accelerator(device_type).current_device()
+    if dtype is None and loaded is not None:
+        dtype = _config_dtype(loaded)
+    if policy is None:
+        policy = stage3_policy(loaded) if loaded is not None else ZeroPolicy()
+    return InitSettings(resolve_group(dims.dense_dp), dims.topology, dtype, device, policy)

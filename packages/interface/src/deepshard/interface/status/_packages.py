@@ -47,8 +47,8 @@ PACKAGES: tuple[PackageStatus, ...] = (
         "deepshard-zero",
         "deepshard.zero",
         "packages/zero",
-        "ZeRO stages 0-2 and their optimizer offload to CPU or NVMe (available); stage 3, "
-        "parameter offload, `Init`, `GatheredParameters` (planned)",
+        "ZeRO stages 0-3, `Init`, `GatheredParameters`, optimizer offload to CPU or NVMe at "
+        "stages 1-2 (available); offload at stage 3 (planned)",
         "partial",
     ),
     PackageStatus(

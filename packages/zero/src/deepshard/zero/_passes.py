@@ -17,6 +17,7 @@ itself, so the rank still takes part in the collectives the other ranks issue.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -49,8 +50,7 @@ class BackwardPasses:
         self._boundary = False
         self._ready = False
         self._count = 0
-        self.guard: Callable[[str], None] | None = None
-        """Called before a pass starts; raises when the pass may not run (states offloaded)."""
+        self._guard: weakref.WeakMethod[Callable[[str], None]] | None = None
 
     @property
     def in_pass(self) -> bool:
@@ -123,9 +123,23 @@ class BackwardPasses:
         finally:
             self._no_sync_depth -= 1
 
+    @property
+    def guard(self) -> Callable[[str], None] | None:
+        """Called before a pass starts; raises when the pass may not run (states offloaded).
+
+        Held weakly: the parameters' hooks keep these passes alive, and a strong reference to
+        the optimizer's method would keep the optimizer (and its NVMe swap files) alive too.
+        """
+        return None if self._guard is None else self._guard()
+
+    @guard.setter
+    def guard(self, method: Callable[[str], None] | None) -> None:
+        self._guard = None if method is None else weakref.WeakMethod(method)
+
     def _begin(self) -> None:
-        if self.guard is not None:
-            self.guard("backward()")
+        guard = self.guard
+        if guard is not None:
+            guard("backward()")
         if self._ready:
             raise CommError(
                 "a backward pass followed the accumulation boundary before step(): call step() "

@@ -48,7 +48,6 @@ class Stage3PartitionAccess:
     check_resident: Callable[[str], None]
     """`deepshard.zero._states.StateOffload.check_resident` (the optimizer has both mixins)."""
 
-
     def _info(self, param: torch.Tensor) -> ShardInfo | None:
         """``param``'s `ShardInfo`; ``None`` when it is frozen (nothing trains it)."""
         if not param.requires_grad:
@@ -87,8 +86,7 @@ class Stage3PartitionAccess:
             return None
         rank = self._group.rank()
         spans = [
-            (p.local_offset, p.local_offset + p.numel)
-            for p in info.shard.shard_map.pieces_of(rank)
+            (p.local_offset, p.local_offset + p.numel) for p in info.shard.shard_map.pieces_of(rank)
         ]
         if kind == "fp32":
             return [self._masters[info.unit][lo:hi] for lo, hi in spans]
@@ -125,7 +123,9 @@ class Stage3PartitionAccess:
         flat = value.reshape(-1)
         with torch.no_grad():
             lo = info.local_offset
-            state.partition[lo : lo + info.local_numel].copy_(flat[info.flat_start : info.flat_stop])
+            state.partition[lo : lo + info.local_numel].copy_(
+                flat[info.flat_start : info.flat_stop]
+            )
             if state.in_flight:  # the gather read the old partition: finish it, then overwrite
                 state.wait_gather()
             if state.gathered:

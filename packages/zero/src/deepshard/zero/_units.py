@@ -62,7 +62,9 @@ class UnitPlan:
     def trainable_numel(self, rank: int) -> int:
         """Length of the prefix of ``rank``'s partition holding trainable parameters (the rest
         is frozen parameters and padding)."""
-        trainable = [s.stop for s, p in zip(self.layout.slots, self.params, strict=True) if p.requires_grad]
+        trainable = [
+            s.stop for s, p in zip(self.layout.slots, self.params, strict=True) if p.requires_grad
+        ]
         chunk = self.layout.partition_numel
         end = max(trainable, default=0)
         return min(chunk, max(0, end - rank * chunk))

@@ -7,8 +7,9 @@ is left is the arithmetic of stages 0-2 on those partitions:
 1. **Masters.** The trainable prefix of each unit's partition (frozen parameters sit at the
    end of the unit's layout, `deepshard.zero._units`) gets an fp32 master (a view of the
    partition itself when it is fp32); frozen parameters get neither a master nor state. The
-   inner optimizer's param groups keep their hyper-parameters but their ``params`` become *master views*: for every parameter of a group, the range of its unit's partition
-   this rank holds, consecutive ranges of one group merged into one view (alignment padding
+   inner optimizer's param groups keep their hyper-parameters but their ``params`` become
+   *master views*: for every parameter of a group, the range of its unit's partition this rank
+   holds, consecutive ranges of one group merged into one view (alignment padding
    between them is zero and stays zero under an element-wise update), at most 1 MiB each for a
    known element-wise optimizer. So param groups never decide how gradients are communicated.
 2. **Step.** The overflow flag and the global norm take one all-reduce over the group

@@ -145,7 +145,7 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
             u.partition[:n].float() if own else u.partition[:n]
             for u, n, own in zip(sharded.units, self._trainable, self._own_master, strict=True)
         ]
-        self._full = Stage3FullGrads(
+        self._transforms = Stage3FullGrads(
             full_grad_transform, transformed_params, sharded, optimizer.param_groups, comms_logger
         )
         self._views = self._map_param_groups(master_view_numel(optimizer, transformed=transformed))
@@ -237,10 +237,10 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
             self.config.compute_grad_norm, self.norm_type, group, device, self._logger
         )
         transform = None
-        if self._full.active:
+        if self._transforms.active:
 
             def transform() -> None:
-                self._full.apply(grads, loss_scale, self.inner.param_groups)
+                self._transforms.apply(grads, loss_scale, self.inner.param_groups)
 
         norm, overflow = checked_norm(grads, loss_scale, settings, transform)
         if not overflow:
@@ -318,7 +318,7 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
         """Bytes of inner-optimizer state (and full-gradient buffers) on this rank."""
         tensors = [v for s in self.inner.state.values() for v in s.values()]
         inner = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        return inner + self._full.nbytes()
+        return inner + self._transforms.nbytes()
 
     def master_bytes(self) -> int:
         """Bytes of fp32 masters beyond the partitions (an fp32 partition is its own master)."""
@@ -336,7 +336,7 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
             "world_size": self._partitions,
             "masters": [m.clone() for m in self._masters],
             "inner": self.inner.state_dict(),
-            "full_grad_buffers": self._full.state_dict(),
+            "full_grad_buffers": self._transforms.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -356,7 +356,7 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
                 "this ZeRO stage-3 state was saved with another stage, world size or unit "
                 "layout; load it into the same model, policy and world size"
             )
-        self._full.load_state_dict(state_dict.get("full_grad_buffers", {}))
+        self._transforms.load_state_dict(state_dict.get("full_grad_buffers", {}))
         for master, saved in zip(self._masters, masters, strict=True):
             master.copy_(saved)
         self._masters_to_partitions()

@@ -108,7 +108,7 @@ def test_ignored_features_and_keys_are_what_the_user_wrote() -> None:
             "zero_optimization": {
                 "stage": 2,
                 "contiguous_gradients": True,  # what DeepShard does anyway: honoured
-                "stage3_model_persistence_threshold": 1e9,
+                "stage3_module_granularity_threshold": 1e9,
             },
             "wandb": {"enabled": False, "project": "p"},  # disabled: nothing runs, as asked
             "flops_profiler": {"enabled": True, "profile_step": 3},  # wired: honoured
@@ -119,10 +119,10 @@ def test_ignored_features_and_keys_are_what_the_user_wrote() -> None:
     assert [row.key for row in asked_features(config, "ignored")] == [
         "checkpoint",
         "moe",
-        "zero_optimization.stage3_model_persistence_threshold",
+        "zero_optimization.stage3_module_granularity_threshold",
     ]
     assert ignored_keys(config) == [
-        "zero_optimization.stage3_model_persistence_threshold",
+        "zero_optimization.stage3_module_granularity_threshold",
         "checkpoint.load_universal",
         "moe.top_k",
     ]

@@ -18,7 +18,10 @@ their buckets whole and gives Muon the finished update (see `deepshard.zero.Full
 Stage 3 shards the (cast) model first (`deepshard.zero.shard` on ``dims.dense_dp`` with the
 policy of the ``zero_optimization`` section), then builds the optimizer side on it; the module
 stays the user's object. A model built under `deepshard.zero.Init` is sharded already: its
-`ShardedModule` (checked by `deepshard.engine._init_built`) is used as it is.
+`ShardedModule` (checked by `deepshard.engine._init_built`) is used as it is. Muon at stage 3
+takes the same transform (its matrices' gradients are gathered from the partitions at the
+step, `deepshard.zero._stage3_muon`); the optimizer was built on the whole parameters before
+sharding, so its halves are split by their real shapes.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.comm import CommsLogger, ParallelDims
 from deepshard.interface import DeepShardConfig, PlacementRegistry
-from deepshard.interface.errors import ConfigError
 from deepshard.optimizers import Muon, muon_update
 from deepshard.zero import (
     ZeroOptimizer,
@@ -61,7 +63,7 @@ def wrap_with_zero(
     module: torch.nn.Module,
     comms_logger: CommsLogger | None,
 ) -> ZeroOptimizer:
-    """Wraps ``optimizer`` with the ZeRO stage (0, 1 or 2) the config selects.
+    """Wraps ``optimizer`` with the ZeRO stage (0-3) the config selects.
 
     Args:
         optimizer: The inner optimizer on the module's (already cast) parameters.
@@ -74,17 +76,13 @@ def wrap_with_zero(
         The wrapper.
 
     Raises:
-        ConfigError: As `deepshard.zero.build_zero_optimizer` does (stage 3, offload,
+        ConfigError: As `deepshard.zero.build_zero_optimizer` does (offload,
             ``compute_grad_norm: false`` with clipping, an untested optimizer...).
     """
     placements = PlacementRegistry.replicated(module.named_parameters(), dims.topology)
     muon = isinstance(optimizer, Muon)
     sharded = None
     if config.zero_optimization.stage == 3:
-        if muon:  # refused before the model is sharded
-            raise ConfigError.from_problems(
-                [("optimizer", "Muon is not wired at ZeRO stage 3 yet; use stage 2 with Muon")]
-            )
         sharded = sharded_module_of(module)  # built under deepshard.zero.Init, checked
         if sharded is None:
             sharded = shard(

@@ -10,7 +10,8 @@ next are gathered asynchronously, in order, while their elements fit ``prefetch_
 and the live window. In backward the same happens in reverse forward order.
 
 *Releasing.* After a unit's forward it is released unless it is *resident* (the root, or at most
-``param_persistence_threshold`` elements: those stay gathered until the next optimizer step),
+``param_persistence_threshold`` elements, while together within ``model_persistence_threshold``:
+those stay gathered until the next optimizer step),
 still in use (a unit nested in itself, or used again inside its own forward), or the trace says
 it is used again — in this forward, or in the backward that follows when grad is enabled —
 within ``max_reuse_distance`` gathered elements. A unit gathered for backward is held until its
@@ -47,8 +48,7 @@ class Fetcher:
         self.units = list(units)
         self.policy = policy
         self.externals = externals
-        limit = policy.param_persistence_threshold
-        self.resident = {0} | {u.plan.index for u in units if u.plan.numel <= limit}
+        self.resident = set(policy.resident_units([u.plan.numel for u in self.units]))
         self.trace: tuple[int, ...] = ()
         """The recorded forward order of unit indices."""
         self.current: list[int] = []

@@ -14,7 +14,8 @@ The other fields are DeepSpeed's stage-3 knobs, in elements, and the mixed-preci
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,11 @@ class ZeroPolicy:
             gathered elements (by the recorded order) stays gathered after its forward.
         param_persistence_threshold: ``stage3_param_persistence_threshold``: a unit of at most
             this many elements stays gathered (re-gathered once after each optimizer step).
+        model_persistence_threshold: ``stage3_model_persistence_threshold``: most elements
+            the units kept gathered by ``param_persistence_threshold`` may hold together
+            (DeepSpeed's cap on unpartitioned parameters); units are taken in registration
+            order while they fit, as DeepSpeed takes parameters. The root is not counted: it
+            stays gathered whatever the thresholds.
         reduce_bucket_size: ``reduce_bucket_size``: most elements of one gradient
             reduce-scatter; a larger unit is reduced in several calls.
         overlap_comm: ``overlap_comm``: reduce-scatters run asynchronously, at most two in
@@ -66,6 +72,7 @@ class ZeroPolicy:
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
     param_persistence_threshold: int = 100_000
+    model_persistence_threshold: int = sys.maxsize
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = True
     param_dtype: torch.dtype | None = None
@@ -79,6 +86,7 @@ class ZeroPolicy:
             "stage3_max_live_parameters": self.max_live_parameters,
             "stage3_max_reuse_distance": self.max_reuse_distance,
             "stage3_param_persistence_threshold": self.param_persistence_threshold,
+            "stage3_model_persistence_threshold": self.model_persistence_threshold,
         }
         problems = [
             (key, f"must be >= 0, got {value}") for key, value in sizes.items() if value < 0
@@ -120,12 +128,27 @@ class ZeroPolicy:
             max_live_parameters=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
             param_persistence_threshold=zero.param_persistence_threshold,
+            model_persistence_threshold=zero.model_persistence_threshold,
             reduce_bucket_size=zero.reduce_bucket_size,
             overlap_comm=zero.overlap_comm,
             grad_accum_dtype=grad_accum_dtype,
             reduction=reduction if reduction is not None else GradientReduction(),
             ignore_unused_parameters=zero.ignore_unused_parameters,
         )
+
+    def resident_units(self, numels: Sequence[int]) -> frozenset[int]:
+        """Indices of the units that stay gathered, given each unit's elements (root first):
+        the root, then each unit of at most ``param_persistence_threshold`` elements while the
+        total stays within ``model_persistence_threshold``."""
+        resident, total = {0}, 0
+        for index, numel in enumerate(numels):
+            if index == 0 or numel > self.param_persistence_threshold:
+                continue
+            if total + numel > self.model_persistence_threshold:
+                continue  # a smaller unit later may still fit, as in DeepSpeed
+            resident.add(index)
+            total += numel
+        return frozenset(resident)
 
     def is_unit(self, name: str, module: torch.nn.Module, *, default: bool) -> bool:
         """Whether ``module`` (at ``name``) is a unit; ``default`` is the default rule's answer."""

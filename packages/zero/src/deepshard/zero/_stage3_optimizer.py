@@ -4,10 +4,12 @@
 already reduce-scattered every gradient into this rank's gradient partition of its unit; what
 is left is the arithmetic of stages 0-2 on those partitions:
 
-1. **Masters.** Each unit's partition gets an fp32 master (the partition itself when it is
-   fp32). The inner optimizer's param groups keep their hyper-parameters but their ``params``
-   become *master views*: for every parameter of a group, the range of its unit's partition
-   this rank holds, consecutive ranges of one group merged into one view (alignment padding
+1. **Masters.** The trainable prefix of each unit's partition (frozen parameters sit at the
+   end of the unit's layout, `deepshard.zero._units`) gets an fp32 master (a view of the
+   partition itself when it is fp32); frozen parameters get neither a master nor state. The
+   inner optimizer's param groups keep their hyper-parameters but their ``params`` become
+   *master views*: for every parameter of a group, the range of its unit's partition this rank
+   holds, consecutive ranges of one group merged into one view (alignment padding
    between them is zero and stays zero under an element-wise update), at most 1 MiB each for a
    known element-wise optimizer. So param groups never decide how gradients are communicated.
 2. **Step.** The overflow flag and the global norm take one all-reduce over the group
@@ -16,12 +18,15 @@ is left is the arithmetic of stages 0-2 on those partitions:
    elements (views of other sub-groups have no gradient then, so torch optimizers skip them).
    The masters are copied into the partitions in the parameter dtype and the model side is told
    its gathered parameters are stale; no all-gather follows: the next forward gathers.
+3. **Full-gradient transforms** (Muon): before the norm, the units holding transformed
+   matrices gather their reduced gradients and each matrix's update replaces its gradient
+   pieces (`deepshard.zero._stage3_muon`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,10 +34,13 @@ import torch
 from deepshard.comm import CommsLogger, Group, resolve_group
 from deepshard.interface.config import ZeroConfig
 from deepshard.interface.errors import CheckpointError, CommError, ConfigError
+from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard
+from deepshard.zero._stage3_muon import Stage3FullGrads
+from deepshard.zero._stage3_owner import Stage3PartitionAccess
 from deepshard.zero._step import NormSettings, StepResult, checked_norm
 from deepshard.zero.layout import FlatLayout
 from deepshard.zero.norms import check_norm_type, scale_factor
@@ -77,7 +85,7 @@ def _merged(
     ]
 
 
-class Stage3Optimizer(ZeroOptimizer):
+class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
     """ZeRO stage 3's optimizer side around an element-wise ``optimizer``.
 
     Args:
@@ -89,6 +97,11 @@ class Stage3Optimizer(ZeroOptimizer):
         zero_allow_untested_optimizer: Accept an optimizer not known to be element-wise.
         comms_logger: Records the norm's all-reduce.
         group: If given, it must be the sharded module's group.
+        full_grad_transform: ``(grad, buffer, param_group) -> update`` on the whole reduced
+            gradient of each of ``transformed_params`` once per step (Muon's ``muon_update``;
+            see `deepshard.zero._stage3_muon`); it declares the inner optimizer element-wise
+            on what remains.
+        transformed_params: Whole param groups of ``optimizer`` to transform.
 
     Raises:
         ConfigError: Unsupported settings, an unsuitable optimizer, a parameter that is not the
@@ -106,10 +119,14 @@ class Stage3Optimizer(ZeroOptimizer):
         zero_allow_untested_optimizer: bool = False,
         comms_logger: CommsLogger | None = None,
         group: Group | None = None,
+        full_grad_transform: FullGradTransform | None = None,
+        transformed_params: Iterable[torch.Tensor] = (),
     ) -> None:
         self.config = config if config is not None else ZeroConfig(stage=3)
+        transformed = full_grad_transform is not None
+        allow_untested = zero_allow_untested_optimizer or transformed
         problems = zero_problems(self.config, gradient_clipping=gradient_clipping, sharded=True)
-        problems += optimizer_problems(optimizer, allow_untested=zero_allow_untested_optimizer)
+        problems += optimizer_problems(optimizer, allow_untested=allow_untested)
         if problems:
             raise ConfigError.from_problems(problems)
         if group is not None and resolve_group(group) is not sharded.group:
@@ -122,11 +139,16 @@ class Stage3Optimizer(ZeroOptimizer):
         self.sharded, self._logger = sharded, comms_logger
         self._group = sharded.group
         self._partitions, self._partition_rank = self._group.size(), self._group.rank()
+        self._trainable = [plan.trainable_numel(self._partition_rank) for plan in sharded.plans]
+        self._own_master = [u.partition.dtype != torch.float32 for u in sharded.units]
         self._masters = [
-            u.partition if u.partition.dtype == torch.float32 else u.partition.float()
-            for u in sharded.units
+            u.partition[:n].float() if own else u.partition[:n]
+            for u, n, own in zip(sharded.units, self._trainable, self._own_master, strict=True)
         ]
-        self._views = self._map_param_groups(master_view_numel(optimizer, transformed=False))
+        self._transforms = Stage3FullGrads(
+            full_grad_transform, transformed_params, sharded, optimizer.param_groups, comms_logger
+        )
+        self._views = self._map_param_groups(master_view_numel(optimizer, transformed=transformed))
         self._sub_groups = self._cut_sub_groups(self.config.sub_group_size)
         self._boundary_flag = True
         self._run_boundary: bool | None = None
@@ -227,24 +249,36 @@ class Stage3Optimizer(ZeroOptimizer):
         settings = NormSettings(
             self.config.compute_grad_norm, self.norm_type, group, device, self._logger
         )
-        norm, overflow = checked_norm(grads, loss_scale, settings, None)
+        transform = None
+        if self._transforms.active:
+
+            def transform() -> None:
+                self._transforms.apply(grads, loss_scale, self.inner.param_groups)
+
+        norm, overflow = checked_norm(grads, loss_scale, settings, transform)
         if not overflow:
             factor = scale_factor(norm, clip=self.gradient_clipping, loss_scale=loss_scale)
             self._step_sub_groups(grads, factor)
-            for state, master in zip(self.sharded.units, self._masters, strict=True):
-                if master is not state.partition:
-                    state.partition.copy_(master)
+            self._masters_to_partitions()
             self.sharded.partitions_updated()
         self.sharded.clear_grads()
         self._ready = False
         return StepResult(overflow=overflow, grad_norm=norm)
 
+    def _masters_to_partitions(self) -> None:
+        pairs = zip(self.sharded.units, self._masters, self._own_master, strict=True)
+        for state, master, own in pairs:
+            if own:
+                state.partition[: master.numel()].copy_(master)
+
     def _fp32_grads(self) -> list[torch.Tensor]:
+        """Each unit's reduced gradient over its master (the trainable prefix), in fp32."""
         out = []
         for grad, master in zip(self.sharded.grad_partitions(), self._masters, strict=True):
             if grad is None:
                 out.append(torch.zeros_like(master))
             else:
+                grad = grad[: master.numel()]
                 out.append(grad if grad.dtype == torch.float32 else grad.float())
         return out
 
@@ -280,11 +314,12 @@ class Stage3Optimizer(ZeroOptimizer):
 
     @property
     def master_partitions(self) -> tuple[torch.Tensor, ...]:
-        """This rank's fp32 master of every unit's partition."""
+        """This rank's fp32 master of the trainable prefix of every unit's partition."""
         return tuple(self._masters)
 
     def full_shape(self, param: object) -> tuple[int, ...] | None:
-        """Masters are flat views at stage 3: always ``None``."""
+        """Masters are flat views at stage 3 (a transformed one's gradient is the finished
+        update): always ``None``."""
         return None
 
     def shard_maps(self) -> tuple[ParamShard, ...]:
@@ -293,14 +328,15 @@ class Stage3Optimizer(ZeroOptimizer):
         return tuple(info.shard for info in infos)
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of inner-optimizer state on this rank."""
+        """Bytes of inner-optimizer state (and full-gradient buffers) on this rank."""
         tensors = [v for s in self.inner.state.values() for v in s.values()]
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        inner = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return inner + self._transforms.nbytes()
 
     def master_bytes(self) -> int:
         """Bytes of fp32 masters beyond the partitions (an fp32 partition is its own master)."""
-        pairs = zip(self._masters, self.sharded.units, strict=True)
-        return sum(m.numel() * m.element_size() for m, u in pairs if m is not u.partition)
+        pairs = zip(self._masters, self._own_master, strict=True)
+        return sum(m.numel() * m.element_size() for m, own in pairs if own)
 
     def gradient_bytes(self) -> int:
         """Bytes of gradient partitions held now."""
@@ -313,6 +349,7 @@ class Stage3Optimizer(ZeroOptimizer):
             "world_size": self._partitions,
             "masters": [m.clone() for m in self._masters],
             "inner": self.inner.state_dict(),
+            "full_grad_buffers": self._transforms.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -332,9 +369,10 @@ class Stage3Optimizer(ZeroOptimizer):
                 "this ZeRO stage-3 state was saved with another stage, world size or unit "
                 "layout; load it into the same model, policy and world size"
             )
-        for master, saved, state in zip(self._masters, masters, self.sharded.units, strict=True):
+        self._transforms.load_state_dict(state_dict.get("full_grad_buffers", {}))
+        for master, saved in zip(self._masters, masters, strict=True):
             master.copy_(saved)
-            state.partition.copy_(master)
+        self._masters_to_partitions()
         self.inner.load_state_dict(state_dict["inner"])
         self.sharded.partitions_updated()
 

@@ -10,7 +10,9 @@ with itself (an *external* unit, as `register_external_parameter` adds by hand).
 
 Each unit's parameters are laid out in one flat buffer by `deepshard.zero.layout` as one bucket
 (16-byte aligned parameters, padded to a multiple of ``W × alignment``), so rank ``r``'s
-partition is chunk ``r`` of the buffer and one all-gather rebuilds the whole unit.
+partition is chunk ``r`` of the buffer and one all-gather rebuilds the whole unit. Trainable
+parameters come first and frozen ones last, so a rank's trainable elements are a prefix of its
+partition (`UnitPlan.trainable_numel`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class UnitPlan:
         index: Position among the units, in registration order (the root is 0).
         name: The module's qualified name (``""`` for the root).
         module: The module whose forward gathers the unit.
-        param_names: Qualified names of the parameters it owns, in registration order.
+        param_names: Qualified names of the parameters it owns: the trainable ones, then the
+            frozen ones, each in registration order.
         params: Those parameters.
         layout: Their flat layout over the data-parallel group.
         external: Indices of the units owning parameters its modules use but do not own.
@@ -56,6 +59,16 @@ class UnitPlan:
     def numel(self) -> int:
         """Elements of the unit's parameters (without padding)."""
         return sum(slot.numel for slot in self.layout.slots)
+
+    def trainable_numel(self, rank: int) -> int:
+        """Length of the prefix of ``rank``'s partition holding trainable parameters (the rest
+        is frozen parameters and padding)."""
+        trainable = [
+            s.stop for s, p in zip(self.layout.slots, self.params, strict=True) if p.requires_grad
+        ]
+        chunk = self.layout.partition_numel
+        end = max(trainable, default=0)
+        return min(chunk, max(0, end - rank * chunk))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,7 +131,10 @@ def plan_units(
     modules = dict(module.named_modules())
     plans = []
     for name in kept:
-        params = owned[name]
+        # Trainable first: the frozen parameters fill the end of the layout, so each rank's
+        # trainable elements are a prefix of its partition and only that prefix gets an fp32
+        # master (`deepshard.zero._stage3_optimizer`).
+        params = sorted(owned[name], key=lambda named: not named[1].requires_grad)
         external = sorted({index[owner_of_param[pid]] for pid in uses[name]})
         plans.append(
             UnitPlan(

@@ -3,7 +3,7 @@
 DeepSpeed's ``safe_get_full_fp32_param(param)`` family finds the optimizer through attributes it
 patches onto the parameter. DeepShard patches nothing and keeps no global registry, so each
 function here takes the *owner* as well: the object that holds the parameter's partitions, a
-`ZeroOptimizer` for stages 0-2 (``engine.safe_get_full_fp32_param(param)`` passes the engine's).
+`ZeroOptimizer` for stages 0-3 (``engine.safe_get_full_fp32_param(param)`` passes the engine's).
 
 *Full* functions work on the whole tensor, in the parameter's (unpartitioned) shape: a getter
 writes this rank's pieces, per the parameter's `deepshard.interface.ShardMap`, into a zero
@@ -25,7 +25,8 @@ where it holds none). Getters return fp32 copies; change values through the sett
   so the next forward uses it; ``safe_set_local_fp32_param`` therefore gathers the parameter and
   is a collective too (every rank passes its own piece).
 
-A stage-3 owner plugs in by implementing `PartitionedOwner`.
+At stage 3 the owner is the `Stage3Optimizer` (``deepshard.zero._stage3_owner``): the same
+shard maps, over each unit's partition; setting a parameter also writes the model's partition.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ optimizer state."""
 class PartitionedOwner(Protocol):
     """What the ``safe_get_*`` / ``safe_set_*`` functions need from a parameter's owner.
 
-    ``ZeroOptimizer`` implements it for stages 0-2; a stage-3 owner implements the same four.
+    ``ZeroOptimizer`` implements it for stages 0-2, its ``Stage3Optimizer`` for stage 3.
     """
 
     @property

@@ -58,11 +58,17 @@ def build_zero_optimizer(
         The wrapper; call its ``backward`` and ``step``.
 
     Raises:
-        ConfigError: As `ZeroOptimizer` does; stage 3 without ``sharded_module`` or with a
-            full-gradient transform (Muon).
+        ConfigError: As `ZeroOptimizer` does; stage 3 without ``sharded_module``.
     """
     if config.zero_optimization.stage == 3:
-        return _stage3(optimizer, config, sharded_module, full_grad_transform, comms_logger)
+        return _stage3(
+            optimizer,
+            config,
+            sharded_module,
+            comms_logger,
+            full_grad_transform=full_grad_transform,
+            transformed_params=transformed_params,
+        )
     reduction = GradientReduction.from_names(
         op=config.gradient_allreduce_op,
         prescale=config.prescale_gradients,
@@ -92,20 +98,15 @@ def _stage3(
     optimizer: torch.optim.Optimizer,
     config: DeepShardConfig,
     sharded: ShardedModule | None,
-    transform: FullGradTransform | None,
     comms_logger: CommsLogger | None,
+    *,
+    full_grad_transform: FullGradTransform | None,
+    transformed_params: Iterable[torch.Tensor],
 ) -> ZeroOptimizer:
-    problems = []
     if sharded is None:
-        problems.append(
-            ("zero_optimization.stage", "3 needs the model sharded first: pass sharded_module=")
+        raise ConfigError.from_problems(
+            [("zero_optimization.stage", "3 needs the model sharded first: pass sharded_module=")]
         )
-    if transform is not None:
-        problems.append(
-            ("optimizer", "Muon's full-gradient path is not wired at ZeRO stage 3 yet; use stage 2")
-        )
-    if problems or sharded is None:
-        raise ConfigError.from_problems(problems)
     return Stage3Optimizer(
         optimizer,
         sharded,
@@ -113,4 +114,6 @@ def _stage3(
         gradient_clipping=config.gradient_clipping,
         zero_allow_untested_optimizer=config.zero_allow_untested_optimizer,
         comms_logger=comms_logger,
+        full_grad_transform=full_grad_transform,
+        transformed_params=transformed_params,
     )

@@ -19,7 +19,6 @@ _SET_FALSE = "set it to false or remove it"
 _STAGE3 = "ZeRO stage 3 setting (no effect at stages 0-2)"
 
 _STAGE3_KEYS = (
-    "stage3_model_persistence_threshold",
     "stage3_gather_16bit_weights_on_model_save",
     "stage3_module_granularity_threshold",
     "stage3_use_all_reduce_for_fetch_params",

@@ -1,0 +1,137 @@
+"""`Stage3Optimizer` as a `deepshard.zero.access.PartitionedOwner` (ZeRO stage 3).
+
+At stage 3 every tensor laid out like a unit's partition is one per *unit*: the fp32 master
+(the trainable prefix of the partition, `deepshard.zero._units.UnitPlan.trainable_numel`), the
+gradient partition the backward passes reduce-scattered into (it exists from the boundary
+pass to ``step()``), and the inner optimizer's state, kept per master *view* (ranges of one
+param group's parameters in one unit). A parameter's `ShardMap` (from its `ShardInfo`) says
+which flat range of it the rank holds and where in the unit's partition (``local_offset``), so
+the ``safe_get_*`` / ``safe_set_*`` functions work unchanged.
+
+Unlike stages 0-2 the model's own copy is partitioned too: setting a parameter writes the
+rank's piece into the unit's partition (rounded to the model dtype) and, when the unit is
+gathered right now, the whole value into the gathered buffer, so the next forward sees it
+whether or not it re-gathers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepshard.interface import ShardMap
+from deepshard.interface.errors import ConfigError
+
+if TYPE_CHECKING:
+    from deepshard.zero._shard_info import ShardInfo
+    from deepshard.zero._sharded import ShardedModule
+    from deepshard.zero.access import StateKind
+
+__all__ = ["Stage3PartitionAccess"]
+
+View = tuple[int, torch.Tensor, int, int]
+"""``(unit, master view, lo, hi)``, as `deepshard.zero._stage3_optimizer` keeps them."""
+
+
+class Stage3PartitionAccess:
+    """The `PartitionedOwner` methods of `Stage3Optimizer` (a mixin ahead of the stage 0-2 one;
+    the optimizer sets the attributes below)."""
+
+    inner: torch.optim.Optimizer
+    sharded: ShardedModule
+    _masters: list[torch.Tensor]
+    _views: list[View]
+    _group: torch.distributed.ProcessGroup
+    _ready: bool
+    check_resident: Callable[[str], None]
+    """`deepshard.zero._states.StateOffload.check_resident` (the optimizer has both mixins)."""
+
+    def _info(self, param: torch.Tensor) -> ShardInfo | None:
+        """``param``'s `ShardInfo`; ``None`` when it is frozen (nothing trains it)."""
+        if not param.requires_grad:
+            return None
+        try:
+            return self.sharded.shard_info(param)
+        except ConfigError:
+            raise ConfigError(
+                f"this ZeroOptimizer does not train the parameter of shape {tuple(param.shape)}: "
+                "it is not a parameter of the sharded module; pass the ZeroOptimizer built on "
+                "the ShardedModule that holds it, or set requires_grad=False on it"
+            ) from None
+
+    def param_shard_map(self, param: torch.Tensor) -> ShardMap | None:
+        """The shard map of ``param``'s fp32 master over `partition_group`; ``None`` when frozen.
+
+        Raises:
+            ConfigError: ``param`` is trainable but not a parameter of the sharded module.
+        """
+        info = self._info(param)
+        return None if info is None else info.shard.shard_map
+
+    def local_views(
+        self, param: torch.Tensor, kind: StateKind, key: str | None = None
+    ) -> list[torch.Tensor] | None:
+        """This rank's elements of ``param``'s master, reduced gradient or inner state ``key``
+        (see `deepshard.zero.access.PartitionedOwner.local_views`).
+
+        Raises:
+            CommError: States are offloaded.
+            ConfigError: ``param`` is not one this optimizer holds, or ``key`` is no state.
+        """
+        self.check_resident(f"reading or writing a parameter's {kind}")
+        info = self._info(param)
+        if info is None:
+            return None
+        rank = self._group.rank()
+        spans = [
+            (p.local_offset, p.local_offset + p.numel) for p in info.shard.shard_map.pieces_of(rank)
+        ]
+        if kind == "fp32":
+            return [self._masters[info.unit][lo:hi] for lo, hi in spans]
+        if kind == "grad":
+            grads = self.sharded.units[info.unit].grad_partition if self._ready else None
+            return None if grads is None else [grads[lo:hi] for lo, hi in spans]
+        return [view for lo, hi in spans for view in self._state_slices(info.unit, lo, hi, key)]
+
+    def _state_slices(self, unit: int, lo: int, hi: int, key: str | None) -> list[torch.Tensor]:
+        """Slices of state ``key`` covering ``[lo, hi)`` of ``unit``'s master."""
+        keys: set[str] = set()
+        slices = []
+        for view_unit, view, start, stop in self._views:
+            if view_unit != unit:
+                continue
+            state = self.inner.state.get(view, {})
+            flat = {k for k, v in state.items() if _flat_like(v, view)}
+            keys |= flat
+            a, b = max(lo, start), min(hi, stop)
+            if a < b and key in flat:
+                slices.append(state[key].view(-1)[a - start : b - start])
+        if key not in keys:
+            raise ConfigError(
+                f"the inner optimizer has no per-element state {key!r}; it holds "
+                f"{sorted(keys) or 'none yet (state is created by its first step)'}"
+            )
+        return slices
+
+    def write_model_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Write the whole fp32 ``value`` into the rank's piece of the unit's partition (and
+        into the gathered buffer, when the unit is gathered now)."""
+        info = self.sharded.shard_info(param)
+        state = self.sharded.units[info.unit]
+        flat = value.reshape(-1)
+        with torch.no_grad():
+            lo = info.local_offset
+            state.partition[lo : lo + info.local_numel].copy_(
+                flat[info.flat_start : info.flat_stop]
+            )
+            if state.in_flight:  # the gather read the old partition: finish it, then overwrite
+                state.wait_gather()
+            if state.gathered:
+                param.data.copy_(flat.view(param.shape))
+
+
+def _flat_like(value: object, view: torch.Tensor) -> bool:
+    """Whether ``value`` is a per-element state tensor of the master view ``view``."""
+    return isinstance(value, torch.Tensor) and value.numel() == view.numel() and value.dim() > 0

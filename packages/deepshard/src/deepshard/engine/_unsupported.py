@@ -53,7 +53,10 @@ _REDUCTION = (
     "is nothing to call; use engine.no_sync() or engine.set_gradient_accumulation_boundary() "
     "to choose when"
 )
-_COMPILE = "DeepShard does not carry DeepCompile; call torch.compile on the model before initialize"
+_COMPILE = (
+    "DeepShard does not carry DeepCompile; use engine.compile(backend=...) (plain torch.compile) "
+    "or pass torch.compile(model) to initialize"
+)
 _OFFLOAD_STATES = (
     "DeepShard cannot move optimizer states off the device and back between steps; configure "
     "ZeRO offload in the config instead when it is available"
@@ -195,7 +198,6 @@ _FEATURES: dict[str, str] = {
     ),
     **_same(
         (
-            "is_compiled",
             "get_compile_time",
             "register_compile_pass",
             "is_deepcompile_enabled",

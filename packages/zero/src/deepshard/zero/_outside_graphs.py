@@ -7,10 +7,13 @@ run eagerly, the compiled regions between two hooks only ever see gathered param
 shapes and strides never change, and dynamo guards on nothing the hooks touch.
 
 ``torch.compiler.disable`` would do this, but applying it imports ``torch._dynamo`` (seconds)
-in every program that shards a model, compiled or not. The wrapper here costs one flag check
-in eager mode; only when dynamo traces it (``torch.compiler.is_compiling()`` is then true, and
-``torch._dynamo`` is already loaded) does it build the disabled function, once, and call that,
-which makes dynamo break the graph there and run the hook eagerly.
+in every program that shards a model, compiled or not. So the wrapper calls ``fn`` directly
+while ``torch._dynamo`` is not loaded (nothing can be compiling then). Once it is, the wrapper
+calls ``torch.compiler.disable(fn)``, built on first use: traced, that call is where dynamo
+breaks the graph and runs the hook eagerly; run eagerly from a compiled frame, it keeps dynamo
+from converting the hook's own frames and everything they call (the collectives, the
+fetcher). The wrapper's frame itself is marked never to be converted: it only dispatches, and
+converting it would guard on its arguments and recompile for every unit.
 """
 
 from __future__ import annotations
@@ -39,10 +42,9 @@ def outside_graphs(fn: Callable[_P, _T]) -> Callable[_P, _T]:
             # this wrapper's own frame is never worth compiling (it only dispatches), and
             # ``fn`` with everything it calls runs with dynamo off
             dynamo.eval_frame.skip_code(run.__code__)
-            disabled.append(dynamo.disable(fn, recursive=True))
+            disabled.append(torch.compiler.disable(fn, recursive=True))  # type: ignore[no-untyped-call]
         return disabled[0]
 
-    @functools.wraps(fn)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
         # traced: dynamo breaks the graph at the disabled call and runs it eagerly; eager in
         # a program that compiles (dynamo loaded): a frame dynamo would otherwise convert
@@ -50,4 +52,5 @@ def outside_graphs(fn: Callable[_P, _T]) -> Callable[_P, _T]:
             return eager()(*args, **kwargs)
         return fn(*args, **kwargs)
 
+    functools.update_wrapper(run, fn)
     return run

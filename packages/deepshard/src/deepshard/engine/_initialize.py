@@ -192,7 +192,9 @@ def initialize(
 
     Args:
         model: The model to train. It is moved to the training device and cast to the
-            training dtype in place (its parameter objects are kept).
+            training dtype in place (its parameter objects are kept). A
+            ``torch.compile(model)`` wrapper trains the model it wraps (``engine.module``),
+            the engine's forward calling the wrapper.
         config: A DeepSpeed-style config: a JSON/HJSON file path, a dict or a
             `DeepShardConfig`. When None, ``config_params`` or ``args`` names it.
         optimizer: An optimizer built on the model's parameters, or a callable building one

@@ -35,7 +35,7 @@ and ``accumulation.state_dict()`` (the step counters) from the engine's parts.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ import torch
 from deepshard.comm import CommsLogger, DistInfo, ParallelDims
 from deepshard.engine import _export
 from deepshard.engine._accumulation import GradientAccumulation
+from deepshard.engine._compile import EngineCompile
 from deepshard.engine._engine_reads import EngineReads
 from deepshard.engine._engine_states import EngineStates
 from deepshard.engine._precision import Precision
@@ -106,7 +107,7 @@ def _check_loss(loss: Any, what: str) -> torch.Tensor:
     return loss
 
 
-class DeepShardEngine(EngineReads, EngineStates, torch.nn.Module):
+class DeepShardEngine(EngineReads, EngineStates, EngineCompile, torch.nn.Module):
     """The training engine `deepshard.engine.initialize` returns.
 
     Attributes:
@@ -118,11 +119,24 @@ class DeepShardEngine(EngineReads, EngineStates, torch.nn.Module):
     Args:
         module: The model (already cast and on its device).
         parts: The components `initialize` built.
+        compiled_forward: What the forward calls instead of ``module`` when the model came
+            compiled (``torch.compile(model)``; ``module`` is then the model it wraps).
     """
 
-    def __init__(self, module: torch.nn.Module, parts: EngineParts) -> None:
+    _compiled_forward: Callable[..., Any] | None
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        parts: EngineParts,
+        *,
+        compiled_forward: Callable[..., Any] | None = None,
+    ) -> None:
         super().__init__()
         self.module = module
+        # a plain attribute, not a registered submodule: the wrapper's parameters are module's
+        self.__dict__["_compiled_forward"] = compiled_forward
+        self._is_compiled = compiled_forward is not None
         self.parts = parts
         self.optimizer = parts.optimizer
         self.lr_scheduler = parts.lr_scheduler
@@ -168,6 +182,8 @@ class DeepShardEngine(EngineReads, EngineStates, torch.nn.Module):
             saved_tensors,
         ):
             args, kwargs = precision.inputs(args, kwargs)
+            if self._compiled_forward is not None:
+                return self._compiled_forward(*args, **kwargs)
             return self.module(*args, **kwargs)
 
     def backward(

@@ -3,7 +3,8 @@
 1. Check DeepSpeed's extra arguments (`deepshard.engine._arguments`): a model is given, the one
    config comes from ``config``, ``config_params`` or ``args.deepspeed_config``, no ``mpu``.
    Parse the config (a path, a dict or a `DeepShardConfig`) and refuse what the engine cannot
-   run (`check_engine_config`). All of this happens before joining the world.
+   run (`check_engine_config`); a ``torch.compile(model)`` wrapper is split from the module it
+   compiles (`deepshard.engine._compile`). All of this happens before joining the world.
 2. Join the world (`deepshard.comm.init_distributed`, as ``dist_init_required`` says) and build
    the mesh from the config's topology, unless the caller passes a mesh.
 3. Reconcile the batch sizes for the ranks that read different samples (dp × ep).
@@ -35,6 +36,7 @@ from deepshard.engine._arguments import (
     refuse_model_parallel_objects,
 )
 from deepshard.engine._checks import check_engine_config
+from deepshard.engine._compile import split_compiled
 from deepshard.engine._components import (
     OptimizerArg,
     SchedulerArg,
@@ -191,7 +193,9 @@ def initialize(
 
     Args:
         model: The model to train. It is moved to the training device and cast to the
-            training dtype in place (its parameter objects are kept).
+            training dtype in place (its parameter objects are kept). A
+            ``torch.compile(model)`` wrapper trains the model it wraps (``engine.module``),
+            the engine's forward calling the wrapper.
         config: A DeepSpeed-style config: a JSON/HJSON file path, a dict or a
             `DeepShardConfig`. When None, ``config_params`` or ``args`` names it.
         optimizer: An optimizer built on the model's parameters, or a callable building one
@@ -233,6 +237,7 @@ def initialize(
     refuse_model_parallel_objects(mpu, mesh_param)
     parsed = _load_config(config_source(config, config_params, args))
     check_engine_config(parsed)
+    model, compiled = split_compiled(model, stage=parsed.zero_optimization.stage)
     world = join_world(dist_init_required if mesh is None else False, distributed_port)
     if mesh is None:
         dims = ParallelDims.build(parsed.topology(world.world_size))
@@ -283,4 +288,6 @@ def initialize(
         ),
     )
     loader = _loader(training_data, collate_fn, parsed, batch, dims)
-    return InitializeResult(DeepShardEngine(model, parts), zero, loader, schedule)
+    return InitializeResult(
+        DeepShardEngine(model, parts, compiled_forward=compiled), zero, loader, schedule
+    )

@@ -53,7 +53,10 @@ _REDUCTION = (
     "is nothing to call; use engine.no_sync() or engine.set_gradient_accumulation_boundary() "
     "to choose when"
 )
-_COMPILE = "DeepShard does not carry DeepCompile; call torch.compile on the model before initialize"
+_COMPILE = (
+    "DeepShard does not carry DeepCompile; use engine.compile(backend=...) (plain torch.compile) "
+    "or pass torch.compile(model) to initialize"
+)
 _BATCH_SIZE = (
     "the batch sizes are fixed when initialize reconciles them with the world; build a new "
     "engine with the new train_batch_size / train_micro_batch_size_per_gpu"
@@ -191,7 +194,6 @@ _FEATURES: dict[str, str] = {
     ),
     **_same(
         (
-            "is_compiled",
             "get_compile_time",
             "register_compile_pass",
             "is_deepcompile_enabled",

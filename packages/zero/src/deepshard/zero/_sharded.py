@@ -32,6 +32,7 @@ from torch.autograd import Variable
 from deepshard.comm import CommsLogger
 from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._fetcher import Fetcher
+from deepshard.zero._outside_graphs import outside_graphs
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._scheduler import BucketScheduler
 from deepshard.zero._shard_info import ShardInfo
@@ -51,9 +52,11 @@ class UnitHook:
         self.sharded, self.index = sharded, index
         self.positions: list[int] = []
 
+    @outside_graphs
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         self.sharded._pre_forward(self)
 
+    @outside_graphs
     def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """The forward post-hook."""
         self.sharded._post_forward(self, output)

@@ -10,7 +10,9 @@ FSDP2 is ``fully_shard`` on every transformer block and then on the root (which 
 embeddings, the tied head and the final norm), with a `MixedPrecisionPolicy` that computes in
 the config's dtype and reduces gradients in it (as both engines do), keeping fp32 sharded
 parameters for the optimizer; the offload row adds `CPUOffloadPolicy`. It runs on a CPU mesh
-over gloo as is (torch 2.15): no setting was needed.
+over gloo as is (torch 2.15, fp32 and bf16), except that `CPUOffloadPolicy`'s default
+``pin_memory=True`` fails on a machine without CUDA ("RuntimeError: Found no NVIDIA driver on
+your system"), so the offload row passes ``pin_memory=False``.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def build_fsdp2(
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    # pin_memory needs an accelerator; on a CPU-only machine pinning is refused.
+    # Pinning needs CUDA: the default pin_memory=True raises "Found no NVIDIA driver" here.
     offload = CPUOffloadPolicy(pin_memory=False) if competitor.offload == "all" else OffloadPolicy()
     policy = fsdp2_policy(dtype)
     for block in model.blocks:  # type: ignore[union-attr]

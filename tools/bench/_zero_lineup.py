@@ -3,10 +3,11 @@
 A competitor is a family (``ddp``, ``fsdp2``, ``deepspeed``, ``deepshard``), a ZeRO stage and
 an offload mode. Both engines get the same DeepSpeed-style config dict from `engine_config`;
 FSDP2 and DDP are built by hand with the same optimizer and hyper-parameters. Offload rows
-drop ``torch_adam`` so each engine steps with its own CPU Adam (DeepSpeed refuses ZeRO-Offload
-with a torch optimizer unless ``zero_force_ds_cpu_optimizer`` is false): that kernel is what
-ZeRO-Offload is, so it is what is raced. FSDP2 has one offload mode, `CPUOffloadPolicy`
-(parameters, gradients and optimizer state on the host), so it races the ``offload-all`` rows.
+drop ``torch_adam`` so each engine steps with its own CPU Adam (DeepSpeed then builds
+``DeepSpeedCPUAdam``; with ``torch_adam`` it would quietly step ``torch.optim.AdamW`` on the
+host): that kernel is part of what ZeRO-Offload is, so it is what is raced. FSDP2 has one
+offload mode, `CPUOffloadPolicy` (parameters, gradients and optimizer state on the host), so it
+races the ``offload-all`` rows.
 """
 
 from __future__ import annotations

@@ -116,7 +116,10 @@ def _free_port() -> int:
 
 def _context(with_deepspeed: bool) -> Any:
     ctx = multiprocessing.get_context("forkserver")
-    preload = ["torch", "torch.distributed", "_zero_model", "_zero_worker", "deepshard.engine"]
+    # What competitors import lazily is preloaded, so no row's RSS growth counts imports:
+    # `fully_shard` imports torch._dynamo (~120 MiB RSS) unless DeepSpeed already has.
+    preload = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo"]
+    preload += ["_zero_model", "_zero_worker", "deepshard.engine"]
     if with_deepspeed:
         preload.append("deepspeed")
     ctx.set_forkserver_preload(preload)

@@ -5,6 +5,8 @@ shared seed, wraps it the competitor's way, trains ``warmup + steps`` steps on i
 batches and writes a JSON report: the wall time of each timed step, every step's loss, and the
 peak resident memory growth since the process started (``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``, minus the ``VmRSS`` at start), plus DeepShard's own tensor-byte count.
+When DeepShard's engine refuses the row's config the report is ``{"refused": <its first line>}``
+and the rank trains nothing.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ shared seed, wraps it the competitor's way, trains ``warmup + steps`` steps on i
 batches and writes a JSON report: the wall time of each timed step, every step's loss, and the
 peak resident memory growth since the process started (``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``, minus the ``VmRSS`` at start), plus DeepShard's own tensor-byte count.
+When DeepShard's engine refuses the row's config the report is ``{"refused": <its first line>}``
+and the rank trains nothing.
 """
 
 from __future__ import annotations
@@ -12,19 +14,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from _zero_competitors import BUILDERS, Refused
+from _zero_lineup import BY_NAME
 from _zero_model import FULL, QUICK, batch, make_model
-
-LR = 1e-3
-CLIP = 1.0
-
-StepFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -40,6 +37,7 @@ class RankJob:
     warmup: int
     steps: int
     out: str
+    dtype: str = "fp32"
 
 
 def _status_kib(field: str) -> int | None:
@@ -58,86 +56,6 @@ def _reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
-
-
-def _ds_config(stage: int, micro_batch: int) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 10**9,
-    }
-
-
-def _ddp(model: torch.nn.Module, micro_batch: int) -> tuple[StepFn, Callable[[], Any]]:
-    dist.init_process_group("gloo")
-    wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        loss = wrapped(ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return step, lambda: None
-
-
-def _deepspeed(
-    model: torch.nn.Module, micro_batch: int, stage: int
-) -> tuple[StepFn, Callable[[], Any]]:
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=_ds_config(stage, micro_batch)
-    )
-
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        loss = engine(ids)
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    return step, lambda: None
-
-
-def _deepshard(
-    model: torch.nn.Module, micro_batch: int, stage: int
-) -> tuple[StepFn, Callable[[], Any]]:
-    import deepshard.engine as ds
-
-    engine, _, _, _ = ds.initialize(model, _ds_config(stage, micro_batch))
-
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        loss = engine(ids)
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    def tensor_bytes() -> dict[str, int]:
-        counts = engine.memory_bytes()
-        return {
-            "parameters": counts.parameters,
-            "gradients": counts.gradients,
-            "master_weights": counts.master_weights,
-            "optimizer_state": counts.optimizer_state,
-        }
-
-    return step, tensor_bytes
-
-
-def _setup(job: RankJob, model: torch.nn.Module, micro_batch: int) -> tuple[StepFn, Any]:
-    kind, _, stage = job.competitor.partition("-")
-    if kind == "ddp":
-        return _ddp(model, micro_batch)
-    if kind == "deepspeed":
-        return _deepspeed(model, micro_batch, int(stage))
-    return _deepshard(model, micro_batch, int(stage))
 
 
 def _log_to(path: str) -> None:
@@ -164,7 +82,19 @@ def run_rank(job: RankJob) -> None:
     rss_start = _status_kib("VmRSS")
     shape = QUICK if job.quick else FULL
     model = make_model(shape)
-    step, tensor_bytes = _setup(job, model, shape.micro_batch)
+    # Counted before wrapping: ZeRO-3 engines leave empty placeholders in the module.
+    params = sum(p.numel() for p in model.parameters())
+    competitor = BY_NAME[job.competitor]
+    try:
+        step, tensor_bytes = BUILDERS[competitor.family](
+            model, competitor, shape.micro_batch, job.dtype
+        )
+    except Refused as refusal:
+        # DeepShard checks its config before joining the world, so no peer waits on this rank.
+        Path(job.out).write_text(json.dumps({"refused": refusal.args[0]}))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
     losses, times = [], []
     for index in range(job.warmup + job.steps):
         ids = batch(shape, index, job.rank)
@@ -179,7 +109,7 @@ def run_rank(job: RankJob) -> None:
     report = {
         "times": times,
         "losses": losses,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": params,
         "rss_delta": None if peak is None or rss_start is None else (peak - rss_start) * 1024,
         "peak_reset": peak_reset,
         "tensor_bytes": tensor_bytes(),

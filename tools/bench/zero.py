@@ -1,37 +1,46 @@
-"""ZeRO training step: DeepShard stages 0/1/2 vs torch DDP and DeepSpeed ZeRO 0/1/2, 2 gloo ranks.
+"""ZeRO training step: DeepShard stages 0-3 vs DDP, FSDP2 and DeepSpeed ZeRO 0-3, 2 gloo ranks.
 
-    uv run --all-packages --group bench python tools/bench/zero.py [--quick] [--steps 4]
-        [--warmup 2] [--rounds 3] [--threads 1] [--competitors deepshard-0,ddp]
+    uv run --all-packages --group bench python tools/bench/zero.py [--quick] [--stages 0-2]
+        [--steps 4] [--warmup 2] [--rounds 3] [--threads 1] [--dtype fp32]
+        [--competitors deepshard-0,ddp]
 
-Every competitor trains the same ~10.5M-parameter GPT-style model (`_zero_model.FULL`) in fp32
-on 2 CPU ranks over gloo, from the same initial weights, on the same token batches, with
-``torch.optim.AdamW`` (lr 1e-3) and gradient clipping at 1.0:
+Every competitor trains the same ~10.5M-parameter GPT-style model (`_zero_model.FULL`) on 2 CPU
+ranks over gloo, from the same initial weights, on the same token batches, with AdamW (lr 1e-3,
+weight decay 0.01) and gradient clipping at 1.0 (`_zero_lineup` lists them):
 
-* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (bucketed all-reduce overlapping
-  backward), ``clip_grad_norm_``, AdamW on the parameters;
-* ``deepspeed-K``: DeepSpeed 0.19.7's engine with ``zero_optimization.stage`` K (0, 1, 2),
-  ``DS_ACCELERATOR=cpu``, ``"torch_adam": true``;
-* ``deepshard-K``: ``deepshard.engine.initialize`` with the same config.
+* stages 0-2: ``ddp`` (``DistributedDataParallel``, ``clip_grad_norm_``, ``torch.optim.AdamW``),
+  ``deepspeed-K`` (DeepSpeed 0.19.7, ``DS_ACCELERATOR=cpu``, ``"torch_adam": true``) and
+  ``deepshard-K`` (``deepshard.engine.initialize`` with the same config);
+* stage 3: ``fsdp2`` (``fully_shard`` per block and the root, `MixedPrecisionPolicy` of the
+  dtype) and ``fsdp2-offload-all`` (plus ``CPUOffloadPolicy``); ``deepspeed-3`` and
+  ``deepshard-3``, and their ``-offload-opt`` (``offload_optimizer: cpu``) and ``-offload-all``
+  (``offload_param`` too) rows, which step with each engine's own CPU Adam.
 
 Each competitor runs as a pair of rank processes forked from a server that imported torch,
 DeepSpeed and DeepShard once, so import time is not raced. A rank trains ``warmup`` untimed and
 ``steps`` timed steps; a step's time is rank 0's wall time for forward, backward and optimizer
 step. The table shows the fastest and the median step over all timed steps of ``--rounds``
-repetitions of the line-up (in rotated order). The ratios the targets are about use the fastest
-step, the one least disturbed by other load on a shared machine (as ``timeit`` does; the
-median moves with the neighbours' load by tens of percent between runs): DeepShard stage K /
-DeepSpeed stage K (target <= 1.0) and DeepShard stage 0 / DDP (target <= 1.1), each printed
-MET or MISSED.
+repetitions of the line-up (in rotated order, so the rounds interleave). The ratios the targets
+are about use the fastest step, the one least disturbed by other load on a shared machine (as
+``timeit`` does; the median moves with the neighbours' load by tens of percent between runs);
+the median ratio is printed beside it. Targets (`_zero_lineup.PAIRINGS`), each MET or MISSED:
+DeepShard stage K <= 1.0x DeepSpeed stage K and stages 0-2 <= 1.1x DDP; stage 3 <= 0.95x FSDP2
+and <= 0.9x DeepSpeed ZeRO-3; optimizer offload <= 0.9x DeepSpeed's; peak memory per rank <=
+FSDP2's (plain and offload-all).
 
 Memory per rank is the **peak resident-set growth** of the rank process (Linux ``VmHWM`` after
 resetting it through ``/proc/self/clear_refs``, minus ``VmRSS`` at start), the larger of the two
 ranks: what the process really touched for model, gradients, optimizer state, communication
-buffers and activations, allocator included. DeepShard's rows also list its own tensor-byte
-count (parameters, gradients, fp32 masters, optimizer state) from ``engine.memory_bytes()``.
-As a sanity check every competitor's last loss must agree with DDP's to 1e-3 relative.
+buffers and activations, allocator included. On a CPU-only machine "offloaded" state is host
+memory like everything else, so offload cannot lower this figure here; it measures the offload
+code paths' cost. DeepShard's rows also list its own tensor-byte count (parameters, gradients,
+fp32 masters, optimizer state) from ``engine.memory_bytes()``, on lines of their own. As a
+sanity check every competitor's last loss must agree with DDP's (else FSDP2's) to 1e-3 relative
+(2e-2 in bf16).
 
-Exit status: 0 when every competitor ran (missed targets included), 1 when one failed or the
-losses disagree.
+Exit status: 0 when every competitor ran (missed targets included); 1 when one failed or the
+losses disagree; 2 when DeepShard refused a row's config (the row and every ratio needing it
+say ``REFUSED`` with the error's first line; no number stands in for it).
 """
 
 from __future__ import annotations
@@ -42,7 +51,6 @@ import json
 import multiprocessing
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -52,17 +60,19 @@ from typing import Any
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("DEEPSHARD_ACCELERATOR", "cpu")
 
-import _zero_worker  # (after the environment above: it must be set before torch loads)
+import _zero_report  # (after the environment above: it must be set before torch loads)
+import _zero_worker
+from _zero_lineup import BY_NAME, DTYPES, parse_stages, select
 
 WORLD = 2
-STAGES = (0, 1, 2)
-NAMES = ("ddp", *(f"deepspeed-{s}" for s in STAGES), *(f"deepshard-{s}" for s in STAGES))
-DEEPSPEED_TARGET = 1.0
-DDP_TARGET = 1.1
-LOSS_AGREEMENT = 1e-3
 RANK_TIMEOUT_S = 600.0
 DEFAULTS = {"steps": 4, "rounds": 3, "warmup": 2}
 QUICK_DEFAULTS = {"steps": 2, "rounds": 1, "warmup": 1}
+DEFAULT_STAGES = "0-2"
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,15 +84,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="line-up repetitions (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument(
-        "--competitors",
-        type=lambda text: [n.strip() for n in text.split(",") if n.strip()],
-        default=list(NAMES),
-        help=f"a subset of {','.join(NAMES)}",
+        "--stages",
+        default=DEFAULT_STAGES,
+        help=f"stages to race: 0-2 (with DDP), 3 (with FSDP2), all (default {DEFAULT_STAGES})",
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="training dtype")
+    parser.add_argument(
+        "--competitors", type=_names, help=f"a subset of the stages' rows: {','.join(BY_NAME)}"
     )
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.competitors) - set(NAMES))
-    if unknown:
-        parser.error(f"unknown competitors {unknown}; choose from {NAMES}")
+    try:
+        args.lineup = [
+            c.name for c in select(parse_stages(args.stages), args.competitors, args.dtype)
+        ]
+    except ValueError as error:
+        parser.error(str(error))
     for key, value in (QUICK_DEFAULTS if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -100,7 +116,10 @@ def _free_port() -> int:
 
 def _context(with_deepspeed: bool) -> Any:
     ctx = multiprocessing.get_context("forkserver")
-    preload = ["torch", "torch.distributed", "_zero_model", "_zero_worker", "deepshard.engine"]
+    # What competitors import lazily is preloaded, so no row's RSS growth counts imports:
+    # `fully_shard` imports torch._dynamo (~120 MiB RSS) unless DeepSpeed already has.
+    preload = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo"]
+    preload += ["_zero_model", "_zero_worker", "deepshard.engine"]
     if with_deepspeed:
         preload.append("deepspeed")
     ctx.set_forkserver_preload(preload)
@@ -121,6 +140,7 @@ def _race_one(ctx: Any, name: str, args: argparse.Namespace, folder: Path) -> li
             args.warmup,
             args.steps,
             str(folder / f"{name}-{rank}.json"),
+            args.dtype,
         )
         for rank in range(WORLD)
     ]
@@ -145,75 +165,11 @@ def _race_one(ctx: Any, name: str, args: argparse.Namespace, folder: Path) -> li
 
 
 def _lineup(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    names: list[str] = args.lineup
     if importlib.util.find_spec("deepspeed") is not None:
-        return list(args.competitors), []
-    skipped = [n for n in args.competitors if n.startswith("deepspeed")]
-    return [n for n in args.competitors if n not in skipped], skipped
-
-
-def _summarise(reports: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    times = [t for rounds in reports for t in rounds[0]["times"]]
-    rss = [r["rss_delta"] for rounds in reports for r in rounds if r["rss_delta"] is not None]
-    return {
-        "best_s": min(times),
-        "median_s": statistics.median(times),
-        "rss_delta": max(rss) if rss else None,
-        "losses": reports[-1][0]["losses"],
-        "params": reports[-1][0]["params"],
-        "tensor_bytes": reports[-1][0]["tensor_bytes"],
-    }
-
-
-def _mib(value: int | None) -> str:
-    return "n/a" if value is None else f"{value / 2**20:.1f}"
-
-
-def _print_table(rows: dict[str, dict[str, Any]]) -> None:
-    print(
-        "| competitor | best s/step | median s/step | peak RSS growth MiB/rank | first loss "
-        "| last loss |"
-    )
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, row in rows.items():
-        losses = row["losses"]
-        print(
-            f"| {name} | {row['best_s']:.4f} | {row['median_s']:.4f} | {_mib(row['rss_delta'])} | "
-            f"{losses[0]:.5f} | {losses[-1]:.5f} |"
-        )
-    for name, row in rows.items():
-        counts = row["tensor_bytes"]
-        if counts:
-            parts = ", ".join(f"{k.replace('_', ' ')} {_mib(v)}" for k, v in counts.items())
-            print(f"{name} tensor bytes per rank (MiB): {parts}")
-
-
-def _verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
-    lines = []
-    pairs = [(f"deepshard-{s}", f"deepspeed-{s}", DEEPSPEED_TARGET) for s in STAGES]
-    pairs.append(("deepshard-0", "ddp", DDP_TARGET))
-    for ours, theirs, target in pairs:
-        if ours not in rows or theirs not in rows:
-            continue
-        ratio = rows[ours]["best_s"] / rows[theirs]["best_s"]
-        verdict = "MET" if ratio <= target else f"MISSED by {ratio - target:.3f}"
-        memory = ""
-        if rows[ours]["rss_delta"] and rows[theirs]["rss_delta"]:
-            memory = f", memory ratio {rows[ours]['rss_delta'] / rows[theirs]['rss_delta']:.2f}"
-        lines.append(
-            f"{ours} / {theirs}: step time ratio {ratio:.3f} (target <= {target}): "
-            f"{verdict}{memory}"
-        )
-    return lines
-
-
-def _losses_agree(rows: dict[str, dict[str, Any]]) -> list[str]:
-    reference = rows.get("ddp") or next(iter(rows.values()))
-    last = reference["losses"][-1]
-    return [
-        f"{name}: last loss {row['losses'][-1]:.6f} differs from {last:.6f}"
-        for name, row in rows.items()
-        if abs(row["losses"][-1] - last) > LOSS_AGREEMENT * abs(last)
-    ]
+        return names, []
+    skipped = [n for n in names if n.startswith("deepspeed")]
+    return [n for n in names if n not in skipped], skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,17 +190,22 @@ def main(argv: list[str] | None = None) -> int:
         for round_index in range(args.rounds):
             order = names[round_index % len(names) :] + names[: round_index % len(names)]
             for name in order:
+                if reports[name] and "refused" in reports[name][-1][0]:
+                    continue  # a refusal does not change between rounds
                 print(f"running {name} (round {round_index + 1})", file=sys.stderr, flush=True)
+                start = time.monotonic()
                 reports[name].append(_race_one(ctx, name, args, Path(folder)))
-    rows = {name: _summarise(reports[name]) for name in names}
-    print(f"model: {rows[names[0]]['params'] / 1e6:.2f}M parameters, fp32")
-    _print_table(rows)
-    for line in _verdicts(rows):
+                print(f"  {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    rows = {name: _zero_report.summarise(reports[name]) for name in names}
+    measured = [row for row in rows.values() if "params" in row]
+    if measured:
+        print(f"model: {measured[0]['params'] / 1e6:.2f}M parameters, {args.dtype}")
+    for line in _zero_report.table(rows) + _zero_report.verdicts(rows):
         print(line)
-    disagreements = _losses_agree(rows)
+    disagreements = _zero_report.loss_disagreements(rows, args.dtype)
     for line in disagreements:
         print(f"ERROR: {line}")
-    return 1 if disagreements else 0
+    return _zero_report.exit_status(rows, disagreements)
 
 
 if __name__ == "__main__":

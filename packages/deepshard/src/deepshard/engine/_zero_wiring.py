@@ -90,6 +90,7 @@ def wrap_with_zero(
             grad_accum_dtype=torch_dtype(
                 config.data_types.grad_accum_dtype, key="data_types.grad_accum_dtype"
             ),
+            aio=config.aio,
         )
         sharded = shard(
             module,

@@ -15,6 +15,7 @@ import torch
 from deepshard.comm import CommsLogger, Group, ParallelDims, resolve_group
 from deepshard.interface import PlacementRegistry
 from deepshard.interface.errors import ConfigError
+from deepshard.zero._param_offload import build_homes
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._shard_info import ShardInfo, build_shard_infos
 from deepshard.zero._sharded import ShardedModule, UnitHook
@@ -80,7 +81,10 @@ def shard(
         module.to(policy.param_dtype)
     plans = plan_units(module, policy, world_size=pg.size())
     infos = build_shard_infos(plans, pg, placements)
-    states = [UnitState(plan, pg, comms_logger) for plan in plans]
+    device = next((p.device for plan in plans for p in plan.params), torch.device("cpu"))
+    numels = [plan.layout.partition_numel for plan in plans]
+    home = build_homes(policy.param_offload, numels, device)
+    states = [UnitState(plan, pg, comms_logger, home) for plan in plans]
     for state in states:
         state.release()
     return ShardedModule(module, plans, states, infos, pg, policy, comms_logger)

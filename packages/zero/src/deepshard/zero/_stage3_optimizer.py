@@ -16,6 +16,11 @@ is left is the arithmetic of stages 0-2 on those partitions:
    elements (views of other sub-groups have no gradient then, so torch optimizers skip them).
    The masters are copied into the partitions in the parameter dtype and the model side is told
    its gathered parameters are stale; no all-gather follows: the next forward gathers.
+
+With ``offload_optimizer`` the masters and moments live on the host or in files and step 2
+runs on the host per sub-group (`deepshard.zero._stage3_offload`); the partitions themselves
+may live on the host or in files too (``offload_param``, `deepshard.zero._param_offload`), and
+``offload_states`` moves the stage-3 state types (`deepshard.zero._stage3_states`).
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ from typing import Any
 import torch
 
 from deepshard.comm import CommsLogger, Group, resolve_group
-from deepshard.interface.config import ZeroConfig
+from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import CheckpointError, CommError, ConfigError
+from deepshard.zero._offload_plan import offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard
+from deepshard.zero._stage3_offload import build_stage3_offload
+from deepshard.zero._stage3_states import Stage3States
 from deepshard.zero._step import NormSettings, StepResult, checked_norm
 from deepshard.zero.layout import FlatLayout
 from deepshard.zero.norms import check_norm_type, scale_factor
@@ -77,7 +85,19 @@ def _merged(
     ]
 
 
-class Stage3Optimizer(ZeroOptimizer):
+def _device_masters(sharded: ShardedModule) -> list[torch.Tensor]:
+    """fp32 masters on the compute device; a device-resident fp32 partition is its own."""
+    masters = []
+    for u in sharded.units:
+        on_device = u.home.device_bytes > 0 or u.partition.numel() == 0
+        if on_device and u.partition.dtype == torch.float32:
+            masters.append(u.partition)
+        else:
+            masters.append(u.home.read().to(u.buffer.device, torch.float32, copy=True))
+    return masters
+
+
+class Stage3Optimizer(Stage3States, ZeroOptimizer):
     """ZeRO stage 3's optimizer side around an element-wise ``optimizer``.
 
     Args:
@@ -89,6 +109,9 @@ class Stage3Optimizer(ZeroOptimizer):
         zero_allow_untested_optimizer: Accept an optimizer not known to be element-wise.
         comms_logger: Records the norm's all-reduce.
         group: If given, it must be the sharded module's group.
+        aio: The ``aio`` section (NVMe optimizer offload).
+        zero_force_ds_cpu_optimizer: With offload, refuse an optimizer stepped as itself on the
+            host unless it is DeepShard's.
 
     Raises:
         ConfigError: Unsupported settings, an unsuitable optimizer, a parameter that is not the
@@ -106,10 +129,13 @@ class Stage3Optimizer(ZeroOptimizer):
         zero_allow_untested_optimizer: bool = False,
         comms_logger: CommsLogger | None = None,
         group: Group | None = None,
+        aio: AioConfig | None = None,
+        zero_force_ds_cpu_optimizer: bool = True,
     ) -> None:
         self.config = config if config is not None else ZeroConfig(stage=3)
         problems = zero_problems(self.config, gradient_clipping=gradient_clipping, sharded=True)
         problems += optimizer_problems(optimizer, allow_untested=zero_allow_untested_optimizer)
+        problems += offload_problems(self.config, optimizer, zero_force_ds_cpu_optimizer, False)
         if problems:
             raise ConfigError.from_problems(problems)
         if group is not None and resolve_group(group) is not sharded.group:
@@ -122,16 +148,21 @@ class Stage3Optimizer(ZeroOptimizer):
         self.sharded, self._logger = sharded, comms_logger
         self._group = sharded.group
         self._partitions, self._partition_rank = self._group.size(), self._group.rank()
-        self._masters = [
-            u.partition if u.partition.dtype == torch.float32 else u.partition.float()
-            for u in sharded.units
+        self._device = sharded.units[0].buffer.device
+        ranges = [
+            _merged(_ranges(sharded, list(g["params"])), sharded, self.config.sub_group_size)
+            for g in optimizer.param_groups
         ]
-        self._views = self._map_param_groups(master_view_numel(optimizer, transformed=False))
+        self._offload = build_stage3_offload(self.config, optimizer, sharded, ranges, aio)
+        self._masters = [] if self._offload is not None else _device_masters(sharded)
+        self._views = [] if self._offload is not None else self._map_param_groups(
+            master_view_numel(optimizer, transformed=False)
+        )
         self._sub_groups = self._cut_sub_groups(self.config.sub_group_size)
         self._boundary_flag = True
         self._run_boundary: bool | None = None
         self._no_sync_depth, self._pass_boundary, self._ready = 0, False, False
-        self._offloaded = {}  # `offload_states` bookkeeping; stage 3 refuses it for now
+        self._offloaded = {}  # `offload_states` bookkeeping (deepshard.zero._stage3_states)
         sharded.add_pass_observer(self._on_begin, self._on_end)
 
     def _map_param_groups(self, max_numel: int | None) -> list[View]:
@@ -158,6 +189,7 @@ class Stage3Optimizer(ZeroOptimizer):
     # --- backward passes --------------------------------------------------------------
 
     def _on_begin(self) -> None:
+        self.check_resident("a backward pass")
         if self._ready:
             raise CommError(
                 "a backward pass followed the accumulation boundary before step(): call step() "
@@ -203,13 +235,14 @@ class Stage3Optimizer(ZeroOptimizer):
         """As `ZeroOptimizer.step`; the next forward gathers the updated parameters."""
         if closure is not None or not loss_scale > 0:
             raise ConfigError("ZeroOptimizer.step takes no closure and a loss_scale > 0")
+        self.check_resident("step()")
         if not self._ready:
             raise CommError(
                 "step() needs gradients reduced at an accumulation boundary: run a backward "
                 "pass with is_boundary=True (outside no_sync()) since the last step"
             )
         grads = self._fp32_grads()
-        device = self._masters[0].device
+        device = self._device
         group = self._group if self._partitions > 1 else None
         settings = NormSettings(
             self.config.compute_grad_norm, self.norm_type, group, device, self._logger
@@ -217,10 +250,15 @@ class Stage3Optimizer(ZeroOptimizer):
         norm, overflow = checked_norm(grads, loss_scale, settings, None)
         if not overflow:
             factor = scale_factor(norm, clip=self.gradient_clipping, loss_scale=loss_scale)
-            self._step_sub_groups(grads, factor)
-            for state, master in zip(self.sharded.units, self._masters, strict=True):
-                if master is not state.partition:
-                    state.partition.copy_(master)
+            if self._offload is not None:
+                self._offload.step(self.inner, grads, factor)
+            else:
+                self._step_sub_groups(grads, factor)
+                for state, master in zip(self.sharded.units, self._masters, strict=True):
+                    if master is not state.partition:
+                        state.home.write(master)
+            for state in self.sharded.units:
+                state.home.flush()
             self.sharded.partitions_updated()
         self.sharded.clear_grads()
         self._ready = False
@@ -228,9 +266,10 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def _fp32_grads(self) -> list[torch.Tensor]:
         out = []
-        for grad, master in zip(self.sharded.grad_partitions(), self._masters, strict=True):
+        for grad, unit in zip(self.sharded.grad_partitions(), self.sharded.units, strict=True):
             if grad is None:
-                out.append(torch.zeros_like(master))
+                numel = unit.plan.layout.partition_numel
+                out.append(torch.zeros(numel, dtype=torch.float32, device=self._device))
             else:
                 out.append(grad if grad.dtype == torch.float32 else grad.float())
         return out
@@ -250,6 +289,7 @@ class Stage3Optimizer(ZeroOptimizer):
         """Drop the gradient partitions accumulated since the last step."""
         if self.sharded.in_pass:
             raise CommError("zero_grad() was called inside a backward pass")
+        self.check_resident("zero_grad()")
         self.sharded.clear_grads()
         self._ready = False
 
@@ -267,8 +307,8 @@ class Stage3Optimizer(ZeroOptimizer):
 
     @property
     def master_partitions(self) -> tuple[torch.Tensor, ...]:
-        """This rank's fp32 master of every unit's partition."""
-        return tuple(self._masters)
+        """This rank's fp32 master of every unit's partition (with offload, on the host)."""
+        return self._offload.masters() if self._offload is not None else tuple(self._masters)
 
     def full_shape(self, param: object) -> tuple[int, ...] | None:
         """Masters are flat views at stage 3: always ``None``."""
@@ -286,6 +326,8 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def master_bytes(self) -> int:
         """Bytes of fp32 masters beyond the partitions (an fp32 partition is its own master)."""
+        if self._offload is not None:
+            return 0  # on the host
         pairs = zip(self._masters, self.sharded.units, strict=True)
         return sum(m.numel() * m.element_size() for m, u in pairs if m is not u.partition)
 
@@ -295,12 +337,16 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's masters and inner state (reload with the same units and world)."""
-        return {
+        self.check_resident("state_dict()")
+        saved = {
             "stage": 3,
             "world_size": self._partitions,
-            "masters": [m.clone() for m in self._masters],
+            "masters": [m.clone() for m in self.master_partitions],
             "inner": self.inner.state_dict(),
         }
+        if self._offload is not None:
+            saved["offload"] = self._offload.state_dict()
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict`; the partitions take the masters' values.
@@ -308,21 +354,29 @@ class Stage3Optimizer(ZeroOptimizer):
         Raises:
             CheckpointError: It was saved with another stage, world or layout.
         """
+        self.check_resident("load_state_dict()")
         masters = state_dict.get("masters", [])
         shapes = [tuple(m.shape) for m in masters]
         if (
             state_dict.get("stage") != 3
             or state_dict.get("world_size") != self._partitions
-            or shapes != [tuple(m.shape) for m in self._masters]
+            or shapes != [(u.plan.layout.partition_numel,) for u in self.sharded.units]
         ):
             raise CheckpointError(
                 "this ZeRO stage-3 state was saved with another stage, world size or unit "
                 "layout; load it into the same model, policy and world size"
             )
-        for master, saved, state in zip(self._masters, masters, self.sharded.units, strict=True):
-            master.copy_(saved)
-            state.partition.copy_(master)
         self.inner.load_state_dict(state_dict["inner"])
+        if self._offload is not None:
+            self._offload.load_state_dict(masters, state_dict.get("offload"))
+        else:
+            pairs = zip(self._masters, masters, self.sharded.units, strict=True)
+            for master, saved, state in pairs:
+                master.copy_(saved)
+                if master is not state.partition:
+                    state.home.write(master)
+        for state in self.sharded.units:
+            state.home.flush()
         self.sharded.partitions_updated()
 
     @property
@@ -335,16 +389,12 @@ class Stage3Optimizer(ZeroOptimizer):
         """The ZeRO stage: 3."""
         return 3
 
-    def offload_states(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused at stage 3 for now (stages 0-2 have it).
-
-        Raises:
-            ConfigError: Always.
-        """
-        raise ConfigError(
-            "offload_states() is not available at ZeRO stage 3 yet (stages 0-2 have it); "
-            "use zero_optimization.stage 1 or 2 to move optimizer states to the host"
-        )
+    def close(self) -> None:
+        """Remove the swap files of offloaded optimizer state and parameters; no step may
+        follow."""
+        if self._offload is not None:
+            self._offload.close()
+        self.sharded.close()
 
     def remove_hooks(self) -> None:
         """Give the model back its whole parameters and detach every hook."""

@@ -113,4 +113,6 @@ def _stage3(
         gradient_clipping=config.gradient_clipping,
         zero_allow_untested_optimizer=config.zero_allow_untested_optimizer,
         comms_logger=comms_logger,
+        aio=config.aio,
+        zero_force_ds_cpu_optimizer=config.zero_force_ds_cpu_optimizer,
     )

@@ -59,8 +59,11 @@ def test_the_longest_row_covers_a_key() -> None:
 
 ASKS = [
     (
-        {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-        [],
+        {
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},  # runs
+            "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+        },
+        ["fp16.fp16_master_weights_and_grads"],
     ),
     ({"tensor_parallel": {"autotp_size": 2}}, ["tensor_parallel.autotp_size"]),
     ({"sequence_parallel_size": 4}, ["sequence_parallel_size"]),

@@ -79,9 +79,7 @@ def _build(group: Any, run: tuple[str, str, torch.dtype, int], root: str) -> tup
     model = _training.make_model(dtype)
     inner = torch.optim.AdamW(_training.param_groups(list(model.parameters())), lr=_training.LR)
     base = ZeroPolicy.from_config(config)
-    policy = ZeroPolicy(
-        unit_classes=(torch.nn.Linear,), param_offload=base.param_offload, **EAGER
-    )
+    policy = ZeroPolicy(unit_classes=(torch.nn.Linear,), param_offload=base.param_offload, **EAGER)
     sharded = shard(model, group=group, policy=policy)
     zero = ZeroOptimizer(inner, sharded, config=config, gradient_clipping=_training.CLIP)
     return model, sharded, zero

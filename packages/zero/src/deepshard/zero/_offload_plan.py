@@ -14,10 +14,11 @@ with its state in host memory; that needs ``zero_force_ds_cpu_optimizer: false``
 non-DeepShard class (DeepSpeed refuses client optimizers the same way) and ``device: "cpu"``.
 
 **Refusals** (`offload_config_problems`, `offload_problems`), as ``(key path, message)`` like
-every ZeRO refusal: offload at stage 0, partial offload (``ratio`` below 1), ``super_offload`` (nothing is partitioned, use stage 1), ``sub_group_size``
-0, a full-gradient transform (Muon's Newton–Schulz runs on the device), an optimizer that only
-steps device tensors (``capturable=True``), and the two cases above. ``nvme`` without
-``nvme_path`` and ``offload_param`` below stage 3 are refused by the config schema itself.
+every ZeRO refusal: offload at stage 0 (nothing is partitioned, use stage 1), partial offload
+(``ratio`` below 1), ``super_offload``, ``sub_group_size`` 0, a full-gradient transform
+(Muon's Newton–Schulz runs on the device), an optimizer that only steps device tensors
+(``capturable=True``), and the two cases above. ``nvme`` without ``nvme_path`` and
+``offload_param`` below stage 3 are refused by the config schema itself.
 """
 
 from __future__ import annotations

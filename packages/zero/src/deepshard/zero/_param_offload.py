@@ -256,7 +256,12 @@ class NvmeHome:
         pool: SwapPool,
         device: torch.device,
     ) -> None:
-        self._name, self._swapper, self._pool, self._device = f"unit{index}.param", swapper, pool, device
+        self._name, self._swapper, self._pool, self._device = (
+            f"unit{index}.param",
+            swapper,
+            pool,
+            device,
+        )
         self._pending: list[tuple[SwapRequest, torch.Tensor]] = []
         self._numel, self._dtype = values.numel(), values.dtype
         # the partition object exists for offload_states' and callers' sake; it holds no bytes

@@ -34,7 +34,7 @@ from deepshard.zero._offload_state import HostState, NvmeState, host_allocator
 from deepshard.zero._optimizer_check import master_view_numel
 from deepshard.zero._sharded import ShardedModule
 
-__all__ = ["build_stage3_offload", "stage3_sub_groups"]
+__all__ = ["build_stage3_offload", "device_masters", "stage3_sub_groups"]
 
 Ranges = Sequence[Sequence[tuple[int, int, int]]]
 """Per param group, the ``(unit, lo, hi)`` master ranges it steps."""
@@ -134,3 +134,15 @@ def build_stage3_offload(
     return HostOffload(
         subs, state, rule, views, host_grads, host_out, [], write_back=write_back, device=device
     )
+
+
+def device_masters(sharded: ShardedModule) -> list[torch.Tensor]:
+    """fp32 masters on the compute device; a device-resident fp32 partition is its own."""
+    masters = []
+    for u in sharded.units:
+        on_device = u.home.device_bytes > 0 or u.partition.numel() == 0
+        if on_device and u.partition.dtype == torch.float32:
+            masters.append(u.partition)
+        else:
+            masters.append(u.home.read().to(u.buffer.device, torch.float32, copy=True))
+    return masters

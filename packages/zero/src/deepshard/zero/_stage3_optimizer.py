@@ -39,7 +39,7 @@ from deepshard.zero._optimizer_check import master_view_numel, optimizer_problem
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard
-from deepshard.zero._stage3_offload import build_stage3_offload
+from deepshard.zero._stage3_offload import build_stage3_offload, device_masters
 from deepshard.zero._stage3_states import Stage3States
 from deepshard.zero._step import NormSettings, StepResult, checked_norm
 from deepshard.zero.layout import FlatLayout
@@ -83,18 +83,6 @@ def _merged(
         for unit, lo, hi in merged
         for start in range(lo, hi, max_numel)
     ]
-
-
-def _device_masters(sharded: ShardedModule) -> list[torch.Tensor]:
-    """fp32 masters on the compute device; a device-resident fp32 partition is its own."""
-    masters = []
-    for u in sharded.units:
-        on_device = u.home.device_bytes > 0 or u.partition.numel() == 0
-        if on_device and u.partition.dtype == torch.float32:
-            masters.append(u.partition)
-        else:
-            masters.append(u.home.read().to(u.buffer.device, torch.float32, copy=True))
-    return masters
 
 
 class Stage3Optimizer(Stage3States, ZeroOptimizer):
@@ -154,9 +142,11 @@ class Stage3Optimizer(Stage3States, ZeroOptimizer):
             for g in optimizer.param_groups
         ]
         self._offload = build_stage3_offload(self.config, optimizer, sharded, ranges, aio)
-        self._masters = [] if self._offload is not None else _device_masters(sharded)
-        self._views = [] if self._offload is not None else self._map_param_groups(
-            master_view_numel(optimizer, transformed=False)
+        self._masters = [] if self._offload is not None else device_masters(sharded)
+        self._views = (
+            []
+            if self._offload is not None
+            else self._map_param_groups(master_view_numel(optimizer, transformed=False))
         )
         self._sub_groups = self._cut_sub_groups(self.config.sub_group_size)
         self._boundary_flag = True

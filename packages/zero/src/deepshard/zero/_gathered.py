@@ -93,7 +93,8 @@ def _write_local(sharded: ShardedModule, param: torch.Tensor, flat: torch.Tensor
     info = sharded.shard_info(param)
     home = sharded.units[info.unit].home  # the device, a host buffer or a file
     with torch.no_grad():
-        home.write(flat[info.flat_start : info.flat_stop], info.local_offset)
+        # a copy: a file write would pin the gathered buffer's storage, which release resizes
+        home.write(flat[info.flat_start : info.flat_stop].clone(), info.local_offset)
         home.flush()
 
 

@@ -160,7 +160,8 @@ class Stage3PartitionAccess:
         state = self.sharded.units[info.unit]
         flat = value.reshape(-1)
         with torch.no_grad():
-            state.home.write(flat[info.flat_start : info.flat_stop], info.local_offset)
+            piece = flat[info.flat_start : info.flat_stop].clone()  # a file write pins it
+            state.home.write(piece, info.local_offset)
             state.home.flush()
             if state.in_flight:  # the gather read the old partition: finish it, then overwrite
                 state.wait_gather()

@@ -46,13 +46,13 @@ from deepshard.zero._optimizer_check import master_view_numel, optimizer_problem
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard
-from deepshard.zero._stage3_muon import Stage3FullGrads
 from deepshard.zero._stage3_masters import (
     device_masters,
     follow_partition,
     master_ranges,
     merged_ranges,
 )
+from deepshard.zero._stage3_muon import Stage3FullGrads
 from deepshard.zero._stage3_offload import build_stage3_offload, follow_partitions
 from deepshard.zero._stage3_owner import Stage3PartitionAccess
 from deepshard.zero._stage3_states import Stage3States

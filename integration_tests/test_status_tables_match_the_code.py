@@ -80,8 +80,9 @@ def test_rows_of_the_feature_table_name_real_packages() -> None:
 
 def test_the_config_reference_notes_each_covered_field() -> None:
     notes = _tool().field_notes()
-    assert notes[("ZeroConfig", "offload_param")].startswith("**Status: planned**")
-    assert "ZeRO-3 parameter offload" in notes[("ZeroConfig", "offload_param")]
+    assert notes[("Fp16Config", "fp16_master_weights_and_grads")].startswith("**Status: planned**")
+    assert "16-bit master weights" in notes[("Fp16Config", "fp16_master_weights_and_grads")]
+    assert ("ZeroConfig", "offload_param") not in notes  # ZeRO-3 parameter offload runs
     assert ("ZeroConfig", "stage") not in notes  # stage 3 runs: no note
     assert notes[("TensorBoardConfig", "output_path")].startswith("**Status: accepted, ignored**")
     assert ("ZeroConfig", "reduce_bucket_size") not in notes  # available: no note

@@ -54,6 +54,14 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
         },
         "zero_optimization.compute_grad_norm",
     ),
+    "Muon with optimizer offload at stage 3": (
+        {
+            **_BATCH,
+            "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        },
+        "zero_optimization.offload_optimizer",
+    ),
     "optimizer offload at stage 0": (
         {
             **_BATCH,
@@ -197,15 +205,17 @@ def test_zero_refusals_come_before_the_world_each_listed_once() -> None:
     config = {
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "cpu"},
+            "offload_optimizer": {"device": "cpu", "ratio": 0.5},
             "allgather_partitions": False,
         },
+        "sparse_gradients": True,
     }
     with pytest.raises(ConfigError) as caught:
         check_engine_config(DeepShardConfig.from_dict(config))
     keys = [path for path, _ in caught.value.problems]
-    # offload is refused by the feature table and by ZeRO: one line each; stage 3 runs
+    # each refusal once, the feature table's and ZeRO's; stage 3 and its offload run
     assert sorted(keys) == [
+        "sparse_gradients",
         "zero_optimization.allgather_partitions",
-        "zero_optimization.offload_param",
+        "zero_optimization.offload_optimizer.ratio",
     ]

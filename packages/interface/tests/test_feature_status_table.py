@@ -53,13 +53,17 @@ def test_the_longest_row_covers_a_key() -> None:
     assert status_of("moe.ep_size").status == "available"  # type: ignore[union-attr]
     assert status_of("tensorboard.output_path").key == "tensorboard"  # type: ignore[union-attr]
     assert status_of("zero_optimization.reduce_bucket_size") is None
-    assert status_of("zero_optimization.offload_param.pin_memory").status == "planned"  # type: ignore[union-attr]
+    assert status_of("tensor_parallel.tp.tp_size").status == "planned"  # type: ignore[union-attr]
+    assert status_of("zero_optimization.offload_param.pin_memory") is None  # it runs
 
 
 ASKS = [
     (
-        {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-        ["zero_optimization.offload_param"],
+        {
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},  # runs
+            "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+        },
+        ["fp16.fp16_master_weights_and_grads"],
     ),
     ({"tensor_parallel": {"autotp_size": 2}}, ["tensor_parallel.autotp_size"]),
     ({"sequence_parallel_size": 4}, ["sequence_parallel_size"]),

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.comm import CommsLogger, ParallelDims
 from deepshard.interface import DeepShardConfig, PlacementRegistry
+from deepshard.interface.errors import ConfigError
 from deepshard.optimizers import Muon, muon_update
 from deepshard.zero import (
     ZeroOptimizer,
@@ -83,6 +84,17 @@ def wrap_with_zero(
     muon = isinstance(optimizer, Muon)
     sharded = None
     if config.zero_optimization.stage == 3:
+        offload = config.zero_optimization.offload_optimizer
+        if muon and offload is not None and offload.device != "none":  # before sharding
+            raise ConfigError.from_problems(
+                [
+                    (
+                        "zero_optimization.offload_optimizer",
+                        "Muon's Newton-Schulz step runs on the device; remove the offload "
+                        "section (or use an Adam optimizer with offload)",
+                    )
+                ]
+            )
         sharded = sharded_module_of(module)  # built under deepshard.zero.Init, checked
         if sharded is None:
             sharded = shard(

@@ -102,7 +102,12 @@ class Fetcher:
         group = self._group(index)
         for u in group:
             self.in_use[u] += 1
-        self._demand(group)
+        try:
+            self._demand(group)
+        except BaseException:  # e.g. partitions offloaded: the forward does not happen
+            for u in group:
+                self.in_use[u] -= 1
+            raise
         if record and self._trace_valid():
             self._prefetch(list(self.trace[position + 1 :]))
         return position

@@ -91,10 +91,11 @@ def _sync_into_buffer(sharded: ShardedModule, unit: int, param: torch.Tensor) ->
 def _write_local(sharded: ShardedModule, param: torch.Tensor, flat: torch.Tensor) -> None:
     """Write this rank's range of the whole flat ``param`` values into its partition."""
     info = sharded.shard_info(param)
-    partition = sharded.units[info.unit].partition
+    home = sharded.units[info.unit].home  # the device, a host buffer or a file
     with torch.no_grad():
-        local = partition[info.local_offset : info.local_offset + info.local_numel]
-        local.copy_(flat[info.flat_start : info.flat_stop])
+        # a copy: a file write would pin the gathered buffer's storage, which release resizes
+        home.write(flat[info.flat_start : info.flat_stop].clone(), info.local_offset)
+        home.flush()
 
 
 def _broadcast_and_write(sharded: ShardedModule, params: list[Any], src: int) -> None:

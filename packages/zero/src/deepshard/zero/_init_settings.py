@@ -50,7 +50,8 @@ class InitSettings:
 def stage3_policy(config: DeepShardConfig) -> ZeroPolicy:
     """The `ZeroPolicy` of a whole config: its ``zero_optimization`` section, the reduction
     settings (``gradient_allreduce_op``, pre-division, ``communication_data_type``) and
-    ``data_types.grad_accum_dtype`` (what the engine shards with)."""
+    ``data_types.grad_accum_dtype`` and the ``aio`` section of NVMe parameter offload (what
+    the engine shards with)."""
     return ZeroPolicy.from_config(
         config.zero_optimization,
         reduction=GradientReduction.from_names(
@@ -62,6 +63,7 @@ def stage3_policy(config: DeepShardConfig) -> ZeroPolicy:
         grad_accum_dtype=torch_dtype(
             config.data_types.grad_accum_dtype, key="data_types.grad_accum_dtype"
         ),
+        aio=config.aio,
     )
 
 

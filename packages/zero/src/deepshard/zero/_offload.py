@@ -66,6 +66,9 @@ class HostOffload:
         host_grads: Per group, the host buffer the gradient partition is copied into.
         host_out: Per group, the host buffer of the updated partition in the compute dtype.
         device_partitions: Per group, the partition in the compute dtype on the device.
+        write_back: Stores a stepped sub-group's compute-dtype values instead of copying them
+            into ``device_partitions`` (stage 3, whose partitions have homes of their own).
+        device: The compute device; ``None``: that of ``device_partitions``.
     """
 
     def __init__(
@@ -77,6 +80,9 @@ class HostOffload:
         host_grads: list[torch.Tensor],
         host_out: list[torch.Tensor],
         device_partitions: list[torch.Tensor],
+        *,
+        write_back: Callable[[SubGroup, torch.Tensor], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.sub_groups = tuple(subs)
         self.state = state
@@ -85,8 +91,10 @@ class HostOffload:
         self.host_grads, self.host_out = host_grads, host_out
         self._rule = rule
         self._steps = [0] * len(host_grads)
-        device = device_partitions[0].device if device_partitions else torch.device("cpu")
+        if device is None:
+            device = device_partitions[0].device if device_partitions else torch.device("cpu")
         self._device = device
+        self._stage3_write_back = write_back  # not a bound method: no cycle delays the finalizer
         self._async = device.type != "cpu"
 
     def _fence(self) -> Callable[[], None]:
@@ -125,13 +133,17 @@ class HostOffload:
             following = self._to_host(subs[k + 1], grads) if k + 1 < len(subs) else _noop
             ready()
             self._step_sub_group(inner, sub)
-            out = self.host_out[sub.group][sub.start : sub.stop]
-            self.device_partitions[sub.group][sub.start : sub.stop].copy_(
-                out, non_blocking=self._async
-            )
+            self._write_back(sub, self.host_out[sub.group][sub.start : sub.stop])
             ready = following
         self.state.finish()
         self._fence()()  # the host buffers are rewritten next step: the copies must be done
+
+    def _write_back(self, sub: SubGroup, out: torch.Tensor) -> None:
+        if self._stage3_write_back is not None:
+            self._stage3_write_back(sub, out)
+            return
+        target = self.device_partitions[sub.group][sub.start : sub.stop]
+        target.copy_(out, non_blocking=self._async)
 
     def _step_sub_group(self, inner: torch.optim.Optimizer, sub: SubGroup) -> None:
         master, exp_avg, exp_avg_sq = self.state.acquire(sub)
@@ -140,7 +152,7 @@ class HostOffload:
         kernel_out = out if out.dtype != torch.float32 else None
         if self._rule is not None:
             assert exp_avg is not None and exp_avg_sq is not None, "Adam keeps moments"
-            h = self._rule(inner.param_groups[sub.group])
+            h = self._rule(inner.param_groups[sub.param_group])
             cpu_adam_step(
                 master, grad, exp_avg, exp_avg_sq, step=self._steps[sub.group], lr=h.lr,
                 beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
@@ -197,12 +209,12 @@ class HostOffload:
         self.state.load(states)
         self._steps = [int(s) for s in saved["steps"]]
         with torch.no_grad():
-            for out, part, master in zip(
-                self.host_out, self.device_partitions, masters, strict=True
-            ):
+            for out, master in zip(self.host_out, masters, strict=True):
                 if out.data_ptr() != master.data_ptr():
                     out.copy_(master)
-                part.copy_(master)
+            for sub in self.sub_groups:
+                self._write_back(sub, self.host_out[sub.group][sub.start : sub.stop])
+        self._fence()()
 
     def close(self) -> None:
         """Release the state's files (NVMe) and buffers."""

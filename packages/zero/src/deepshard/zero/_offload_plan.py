@@ -14,10 +14,11 @@ with its state in host memory; that needs ``zero_force_ds_cpu_optimizer: false``
 non-DeepShard class (DeepSpeed refuses client optimizers the same way) and ``device: "cpu"``.
 
 **Refusals** (`offload_config_problems`, `offload_problems`), as ``(key path, message)`` like
-every ZeRO refusal: offload at stage 0 (nothing is partitioned, use stage 1), ``sub_group_size``
-0, a full-gradient transform (Muon's Newton–Schulz runs on the device), an optimizer that only
-steps device tensors (``capturable=True``), and the two cases above. ``nvme`` without
-``nvme_path`` and ``offload_param`` below stage 3 are refused by the config schema itself.
+every ZeRO refusal: offload at stage 0 (nothing is partitioned, use stage 1), partial offload
+(``ratio`` below 1), ``super_offload``, ``sub_group_size`` 0, a full-gradient transform
+(Muon's Newton–Schulz runs on the device), an optimizer that only steps device tensors
+(``capturable=True``), and the two cases above. ``nvme`` without ``nvme_path`` and
+``offload_param`` below stage 3 are refused by the config schema itself.
 """
 
 from __future__ import annotations
@@ -52,12 +53,21 @@ class SubGroup:
         index: Position among the group's sub-groups.
         start: First element of the group's partition it covers.
         stop: One past its last element.
+        hyper: The inner optimizer's param group whose hyper-parameters step it; ``None``: the
+            same as ``group`` (stages 1-2, where partitions are per param group; at stage 3
+            ``group`` is the unit).
     """
 
     group: int
     index: int
     start: int
     stop: int
+    hyper: int | None = None
+
+    @property
+    def param_group(self) -> int:
+        """The inner optimizer's param group it belongs to."""
+        return self.group if self.hyper is None else self.hyper
 
     @property
     def numel(self) -> int:
@@ -167,9 +177,17 @@ def offload_config_problems(config: ZeroConfig) -> list[tuple[str, str]]:
         return []
     problems = []
     if config.stage == 0:
-        problems.append((_KEY, "needs stage 1 or 2 (stage 0 partitions nothing); set stage 1"))
-    if config.stage == 3:
-        problems.append((_KEY, "is not available at stage 3 yet; use stage 1 or 2 to offload"))
+        problems.append((_KEY, "needs stage 1, 2 or 3 (stage 0 partitions nothing); set stage 1"))
+    section = config.offload_optimizer
+    assert section is not None, "offload_device said there is a section"
+    if section.ratio < 1.0:
+        problems.append(
+            (f"{_KEY}.ratio", f"{section.ratio} (partial offload) is not supported; set it to 1.0")
+        )
+    if section.super_offload:
+        problems.append(
+            (f"{_KEY}.super_offload", "(Superchip offload) is not supported; set it to false")
+        )
     if config.sub_group_size < 1:
         problems.append(("zero_optimization.sub_group_size", "must be >= 1 with offload_optimizer"))
     return problems

@@ -44,7 +44,12 @@ Allocate = Callable[[int, torch.dtype], torch.Tensor]
 Acquired = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-def host_allocator(accelerator: Accelerator, pin_memory: bool) -> Allocate:
+def host_allocator(
+    accelerator: Accelerator,
+    pin_memory: bool,
+    *,
+    key: str = "zero_optimization.offload_optimizer",
+) -> Allocate:
     """Host buffers through ``accelerator.pin_empty`` (``pin_memory``) or plain ``torch.empty``.
 
     Where a device accelerator cannot pin, a `UserWarning` names the key and training goes on
@@ -55,7 +60,7 @@ def host_allocator(accelerator: Accelerator, pin_memory: bool) -> Allocate:
         return lambda numel, dtype: torch.empty(numel, dtype=dtype, device="cpu")
     if accelerator.name != "cpu" and not accelerator.pin_empty(1, dtype=torch.uint8).is_pinned():
         warnings.warn(
-            f"zero_optimization.offload_optimizer.pin_memory: the {accelerator.name} accelerator "
+            f"{key}.pin_memory: the {accelerator.name} accelerator "
             "cannot page-lock host memory, so offload copies are synchronous; set pin_memory "
             "to false to silence this",
             UserWarning,

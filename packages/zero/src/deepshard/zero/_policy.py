@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepshard.interface.config import ZeroConfig
+from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import ConfigError
+from deepshard.zero._param_offload import ParamOffload
 from deepshard.zero.reduction import GradientReduction
 
 __all__ = ["UnitRule", "ZeroPolicy"]
@@ -64,6 +65,8 @@ class ZeroPolicy:
             its ``dtype`` is the reduce dtype (``communication_data_type``).
         ignore_unused_parameters: A parameter without a gradient in a backward pass counts as
             zero; false makes it an error.
+        param_offload: ``offload_param``: keep the partitions in host buffers or NVMe files
+            between uses; ``None`` keeps them on the device.
     """
 
     unit_classes: tuple[type[torch.nn.Module], ...] = ()
@@ -79,6 +82,7 @@ class ZeroPolicy:
     grad_accum_dtype: torch.dtype | None = None
     reduction: GradientReduction = field(default_factory=GradientReduction)
     ignore_unused_parameters: bool = True
+    param_offload: ParamOffload | None = None
 
     def __post_init__(self) -> None:
         sizes = {
@@ -110,6 +114,7 @@ class ZeroPolicy:
         grad_accum_dtype: torch.dtype | None = None,
         unit_classes: tuple[type[torch.nn.Module], ...] = (),
         unit_rule: UnitRule | None = None,
+        aio: AioConfig | None = None,
     ) -> ZeroPolicy:
         """The policy of a ``zero_optimization`` section (DeepSpeed's key names).
 
@@ -120,6 +125,7 @@ class ZeroPolicy:
             grad_accum_dtype: ``data_types.grad_accum_dtype``.
             unit_classes: As the field.
             unit_rule: As the field.
+            aio: The top-level ``aio`` section (NVMe parameter offload).
         """
         return cls(
             unit_classes=unit_classes,
@@ -134,6 +140,7 @@ class ZeroPolicy:
             grad_accum_dtype=grad_accum_dtype,
             reduction=reduction if reduction is not None else GradientReduction(),
             ignore_unused_parameters=zero.ignore_unused_parameters,
+            param_offload=ParamOffload.from_config(zero.offload_param, aio),
         )
 
     def resident_units(self, numels: Sequence[int]) -> frozenset[int]:

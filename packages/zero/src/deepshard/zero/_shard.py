@@ -19,6 +19,7 @@ from deepshard.comm import CommsLogger, Group, ParallelDims, resolve_group
 from deepshard.interface import PlacementRegistry
 from deepshard.interface.errors import ConfigError
 from deepshard.zero._lookup import owner_of
+from deepshard.zero._param_offload import build_homes
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._shard_info import ShardInfo, build_shard_infos
 from deepshard.zero._sharded import ShardedModule, UnitHook
@@ -114,11 +115,14 @@ def build_sharded(
     shapes = source.full_shapes() if source is not None else None
     plans = plan_units(module, policy, world_size=pg.size(), shapes=shapes)
     infos = build_shard_infos(plans, pg, placements)
+    device = next((p.device for plan in plans for p in plan.params), torch.device("cpu"))
+    numels = [plan.layout.partition_numel for plan in plans]
+    home = build_homes(policy.param_offload, numels, device)
     states = []
     for plan in plans:
         if source is not None:
             source.materialize(plan.params)
-        state = UnitState(plan, pg, comms_logger)
+        state = UnitState(plan, pg, comms_logger, home)
         state.release()
         states.append(state)
     return ShardedModule(module, plans, states, infos, pg, policy, comms_logger)

@@ -324,8 +324,8 @@ class ShardedModule:
         return peak
 
     def partition_bytes(self) -> int:
-        """Bytes of this rank's parameter partitions."""
-        return sum(u.partition.numel() * u.partition.element_size() for u in self.units)
+        """Bytes of this rank's parameter partitions in device memory (none when offloaded)."""
+        return sum(u.home.device_bytes for u in self.units)
 
     def gradient_bytes(self) -> int:
         """Bytes of this rank's gradient partitions right now."""
@@ -358,6 +358,11 @@ class ShardedModule:
             yield
         finally:
             self.fetcher.release_idle()
+
+    def close(self) -> None:
+        """Remove the parameter swap files (``offload_param`` nvme); no forward may follow."""
+        for u in self.units:
+            u.home.close()
 
     def remove_hooks(self) -> None:
         """Give the model its whole parameters back (own storage) and remove every hook."""

@@ -147,7 +147,8 @@ class Stage3FullGrads:
         state = self._sharded.units[unit]
         partition = state.grad_partition
         if partition is None:  # never reduced (no pass since the step): zeros, on every rank
-            partition = torch.zeros_like(state.partition)
+            numel = state.plan.layout.partition_numel  # the partition may be in a file
+            partition = torch.zeros(numel, dtype=state.plan.dtype, device=state.buffer.device)
         handle = all_gather_into_tensor(
             partition.contiguous(),
             group=self._sharded.group,

@@ -21,6 +21,12 @@ is left is the arithmetic of stages 0-2 on those partitions:
 3. **Full-gradient transforms** (Muon): before the norm, the units holding transformed
    matrices gather their reduced gradients and each matrix's update replaces its gradient
    pieces (`deepshard.zero._stage3_muon`).
+
+With ``offload_optimizer`` the masters (still only the trainable prefixes) and moments live on
+the host or in files and step 2 runs on the host per sub-group (`deepshard.zero._stage3_offload`;
+Muon is refused there: its Newton-Schulz step runs on the device); the partitions themselves
+may live on the host or in files too (``offload_param``, `deepshard.zero._param_offload`), and
+``offload_states`` moves the stage-3 state types (`deepshard.zero._stage3_states`).
 """
 
 from __future__ import annotations
@@ -32,15 +38,24 @@ from typing import Any
 import torch
 
 from deepshard.comm import CommsLogger, Group, resolve_group
-from deepshard.interface.config import ZeroConfig
+from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import CheckpointError, CommError, ConfigError
 from deepshard.zero._full_grads import FullGradTransform
+from deepshard.zero._offload_plan import offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard
+from deepshard.zero._stage3_masters import (
+    device_masters,
+    follow_partition,
+    master_ranges,
+    merged_ranges,
+)
 from deepshard.zero._stage3_muon import Stage3FullGrads
+from deepshard.zero._stage3_offload import build_stage3_offload, follow_partitions
 from deepshard.zero._stage3_owner import Stage3PartitionAccess
+from deepshard.zero._stage3_states import Stage3States
 from deepshard.zero._step import NormSettings, StepResult, checked_norm
 from deepshard.zero.layout import FlatLayout
 from deepshard.zero.norms import check_norm_type, scale_factor
@@ -53,39 +68,7 @@ View = tuple[int, torch.Tensor, int, int]
 """``(unit, master view, lo, hi)``: a view of a unit's master and its range."""
 
 
-def _ranges(sharded: ShardedModule, group_params: list[torch.Tensor]) -> list[tuple[int, int, int]]:
-    """``(unit, lo, hi)`` of every trainable parameter's local piece in its unit's partition."""
-    out = []
-    for param in group_params:
-        if not param.requires_grad:
-            continue
-        info = sharded.shard_info(param)
-        if info.local_numel:
-            out.append((info.unit, info.local_offset, info.local_offset + info.local_numel))
-    return sorted(out)
-
-
-def _merged(
-    ranges: list[tuple[int, int, int]], sharded: ShardedModule, max_numel: int | None
-) -> list[tuple[int, int, int]]:
-    """Consecutive ranges of one unit merged across padding, then cut to ``max_numel``."""
-    merged: list[tuple[int, int, int]] = []
-    for unit, lo, hi in ranges:
-        alignment = sharded.plans[unit].layout.alignment
-        if merged and merged[-1][0] == unit and lo - merged[-1][2] < alignment:
-            merged[-1] = (unit, merged[-1][1], hi)
-        else:
-            merged.append((unit, lo, hi))
-    if max_numel is None:
-        return merged
-    return [
-        (unit, start, min(start + max_numel, hi))
-        for unit, lo, hi in merged
-        for start in range(lo, hi, max_numel)
-    ]
-
-
-class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
+class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
     """ZeRO stage 3's optimizer side around an element-wise ``optimizer``.
 
     Args:
@@ -100,8 +83,11 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
         full_grad_transform: ``(grad, buffer, param_group) -> update`` on the whole reduced
             gradient of each of ``transformed_params`` once per step (Muon's ``muon_update``;
             see `deepshard.zero._stage3_muon`); it declares the inner optimizer element-wise
-            on what remains.
+            on what remains. Refused with ``offload_optimizer``.
         transformed_params: Whole param groups of ``optimizer`` to transform.
+        aio: The ``aio`` section (NVMe optimizer offload).
+        zero_force_ds_cpu_optimizer: With offload, refuse an optimizer stepped as itself on the
+            host unless it is DeepShard's.
 
     Raises:
         ConfigError: Unsupported settings, an unsuitable optimizer, a parameter that is not the
@@ -121,12 +107,17 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
         group: Group | None = None,
         full_grad_transform: FullGradTransform | None = None,
         transformed_params: Iterable[torch.Tensor] = (),
+        aio: AioConfig | None = None,
+        zero_force_ds_cpu_optimizer: bool = True,
     ) -> None:
         self.config = config if config is not None else ZeroConfig(stage=3)
         transformed = full_grad_transform is not None
         allow_untested = zero_allow_untested_optimizer or transformed
         problems = zero_problems(self.config, gradient_clipping=gradient_clipping, sharded=True)
         problems += optimizer_problems(optimizer, allow_untested=allow_untested)
+        problems += offload_problems(
+            self.config, optimizer, zero_force_ds_cpu_optimizer, transformed
+        )
         if problems:
             raise ConfigError.from_problems(problems)
         if group is not None and resolve_group(group) is not sharded.group:
@@ -139,40 +130,49 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
         self.sharded, self._logger = sharded, comms_logger
         self._group = sharded.group
         self._partitions, self._partition_rank = self._group.size(), self._group.rank()
+        self._device = sharded.units[0].buffer.device
         self._trainable = [plan.trainable_numel(self._partition_rank) for plan in sharded.plans]
-        self._own_master = [u.partition.dtype != torch.float32 for u in sharded.units]
-        self._masters = [
-            u.partition[:n].float() if own else u.partition[:n]
-            for u, n, own in zip(sharded.units, self._trainable, self._own_master, strict=True)
-        ]
         self._transforms = Stage3FullGrads(
             full_grad_transform, transformed_params, sharded, optimizer.param_groups, comms_logger
         )
-        self._views = self._map_param_groups(master_view_numel(optimizer, transformed=transformed))
+        ranges = [
+            merged_ranges(master_ranges(sharded, g["params"]), sharded, self.config.sub_group_size)
+            for g in optimizer.param_groups
+        ]
+        self._offload = build_stage3_offload(
+            self.config, optimizer, sharded, ranges, self._trainable, aio
+        )
+        masters = [] if self._offload is not None else device_masters(sharded, self._trainable)
+        self._masters = [master for master, _ in masters]
+        self._own_master = [own for _, own in masters]
+        self._views = (
+            []
+            if self._offload is not None
+            else self._map_param_groups(master_view_numel(optimizer, transformed=transformed))
+        )
         self._sub_groups = self._cut_sub_groups(self.config.sub_group_size)
         self._boundary_flag = True
         self._run_boundary: bool | None = None
         self._no_sync_depth, self._pass_boundary, self._ready = 0, False, False
-        self._offloaded = {}  # `offload_states` bookkeeping; stage 3 refuses it for now
+        self._offloaded = {}  # `offload_states` bookkeeping (deepshard.zero._stage3_states)
         sharded.add_pass_observer(self._on_begin, self._on_end)
         sharded.add_partition_observer(self._partitions_written)
 
     def _partitions_written(self, units: Sequence[int]) -> None:
-        """Partitions written by hand (`GatheredParameters`): the masters take the new values.
-
-        Only elements whose partition value differs from the master rounded to it change, so
-        an fp32 master keeps its precision wherever a bf16 partition was not modified.
-        """
+        """Partitions written by hand (`GatheredParameters`): the masters take the new values
+        (`deepshard.zero._stage3_masters.follow_partition`), on the host too with offload."""
+        if self._offload is not None:
+            follow_partitions(self._offload, self.sharded, units)
+            return
         for unit in units:
-            master, partition = self._masters[unit], self.sharded.units[unit].partition
-            if master is not partition:
-                changed = master.to(partition.dtype) != partition
-                master[changed] = partition[changed].to(master.dtype)
+            if self._own_master[unit]:
+                follow_partition(self._masters[unit], self.sharded.units[unit].home.read())
 
     def _map_param_groups(self, max_numel: int | None) -> list[View]:
         views: list[View] = []
         for group in self.inner.param_groups:
-            ranges = _merged(_ranges(self.sharded, list(group["params"])), self.sharded, max_numel)
+            mine_ranges = master_ranges(self.sharded, group["params"])
+            ranges = merged_ranges(mine_ranges, self.sharded, max_numel)
             mine = [(u, self._masters[u][lo:hi], lo, hi) for u, lo, hi in ranges]
             group["params"] = [view for _, view, _, _ in mine]
             views.extend(mine)
@@ -193,6 +193,7 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
     # --- backward passes --------------------------------------------------------------
 
     def _on_begin(self) -> None:
+        self.check_resident("a backward pass")
         if self._ready:
             raise CommError(
                 "a backward pass followed the accumulation boundary before step(): call step() "
@@ -238,13 +239,14 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
         """As `ZeroOptimizer.step`; the next forward gathers the updated parameters."""
         if closure is not None or not loss_scale > 0:
             raise ConfigError("ZeroOptimizer.step takes no closure and a loss_scale > 0")
+        self.check_resident("step()")
         if not self._ready:
             raise CommError(
                 "step() needs gradients reduced at an accumulation boundary: run a backward "
                 "pass with is_boundary=True (outside no_sync()) since the last step"
             )
         grads = self._fp32_grads()
-        device = self._masters[0].device
+        device = self._device
         group = self._group if self._partitions > 1 else None
         settings = NormSettings(
             self.config.compute_grad_norm, self.norm_type, group, device, self._logger
@@ -258,8 +260,13 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
         norm, overflow = checked_norm(grads, loss_scale, settings, transform)
         if not overflow:
             factor = scale_factor(norm, clip=self.gradient_clipping, loss_scale=loss_scale)
-            self._step_sub_groups(grads, factor)
-            self._masters_to_partitions()
+            if self._offload is not None:
+                self._offload.step(self.inner, grads, factor)
+            else:
+                self._step_sub_groups(grads, factor)
+                self._masters_to_partitions()
+            for state in self.sharded.units:
+                state.home.flush()
             self.sharded.partitions_updated()
         self.sharded.clear_grads()
         self._ready = False
@@ -269,16 +276,16 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
         pairs = zip(self.sharded.units, self._masters, self._own_master, strict=True)
         for state, master, own in pairs:
             if own:
-                state.partition[: master.numel()].copy_(master)
+                state.home.write(master)
 
     def _fp32_grads(self) -> list[torch.Tensor]:
         """Each unit's reduced gradient over its master (the trainable prefix), in fp32."""
         out = []
-        for grad, master in zip(self.sharded.grad_partitions(), self._masters, strict=True):
+        for grad, numel in zip(self.sharded.grad_partitions(), self._trainable, strict=True):
             if grad is None:
-                out.append(torch.zeros_like(master))
+                out.append(torch.zeros(numel, dtype=torch.float32, device=self._device))
             else:
-                grad = grad[: master.numel()]
+                grad = grad[:numel]
                 out.append(grad if grad.dtype == torch.float32 else grad.float())
         return out
 
@@ -297,6 +304,7 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
         """Drop the gradient partitions accumulated since the last step."""
         if self.sharded.in_pass:
             raise CommError("zero_grad() was called inside a backward pass")
+        self.check_resident("zero_grad()")
         self.sharded.clear_grads()
         self._ready = False
 
@@ -314,8 +322,9 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
 
     @property
     def master_partitions(self) -> tuple[torch.Tensor, ...]:
-        """This rank's fp32 master of the trainable prefix of every unit's partition."""
-        return tuple(self._masters)
+        """This rank's fp32 master of the trainable prefix of every unit's partition (with
+        offload, on the host)."""
+        return self._offload.masters() if self._offload is not None else tuple(self._masters)
 
     def full_shape(self, param: object) -> tuple[int, ...] | None:
         """Masters are flat views at stage 3 (a transformed one's gradient is the finished
@@ -335,6 +344,8 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
 
     def master_bytes(self) -> int:
         """Bytes of fp32 masters beyond the partitions (an fp32 partition is its own master)."""
+        if self._offload is not None:
+            return 0  # on the host
         pairs = zip(self._masters, self._own_master, strict=True)
         return sum(m.numel() * m.element_size() for m, own in pairs if own)
 
@@ -344,13 +355,17 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's masters and inner state (reload with the same units and world)."""
-        return {
+        self.check_resident("state_dict()")
+        saved = {
             "stage": 3,
             "world_size": self._partitions,
-            "masters": [m.clone() for m in self._masters],
+            "masters": [m.clone() for m in self.master_partitions],
             "inner": self.inner.state_dict(),
             "full_grad_buffers": self._transforms.state_dict(),
         }
+        if self._offload is not None:
+            saved["offload"] = self._offload.state_dict()
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict`; the partitions take the masters' values.
@@ -358,22 +373,28 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
         Raises:
             CheckpointError: It was saved with another stage, world or layout.
         """
+        self.check_resident("load_state_dict()")
         masters = state_dict.get("masters", [])
         shapes = [tuple(m.shape) for m in masters]
         if (
             state_dict.get("stage") != 3
             or state_dict.get("world_size") != self._partitions
-            or shapes != [tuple(m.shape) for m in self._masters]
+            or shapes != [(n,) for n in self._trainable]
         ):
             raise CheckpointError(
                 "this ZeRO stage-3 state was saved with another stage, world size or unit "
                 "layout; load it into the same model, policy and world size"
             )
         self._transforms.load_state_dict(state_dict.get("full_grad_buffers", {}))
-        for master, saved in zip(self._masters, masters, strict=True):
-            master.copy_(saved)
-        self._masters_to_partitions()
         self.inner.load_state_dict(state_dict["inner"])
+        if self._offload is not None:
+            self._offload.load_state_dict(masters, state_dict.get("offload"))
+        else:
+            for master, saved in zip(self._masters, masters, strict=True):
+                master.copy_(saved)
+            self._masters_to_partitions()
+        for state in self.sharded.units:
+            state.home.flush()
         self.sharded.partitions_updated()
 
     @property
@@ -386,16 +407,12 @@ class Stage3Optimizer(Stage3PartitionAccess, ZeroOptimizer):
         """The ZeRO stage: 3."""
         return 3
 
-    def offload_states(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused at stage 3 for now (stages 0-2 have it).
-
-        Raises:
-            ConfigError: Always.
-        """
-        raise ConfigError(
-            "offload_states() is not available at ZeRO stage 3 yet (stages 0-2 have it); "
-            "use zero_optimization.stage 1 or 2 to move optimizer states to the host"
-        )
+    def close(self) -> None:
+        """Remove the swap files of offloaded optimizer state and parameters; no step may
+        follow."""
+        if self._offload is not None:
+            self._offload.close()
+        self.sharded.close()
 
     def remove_hooks(self) -> None:
         """Give the model back its whole parameters and detach every hook."""

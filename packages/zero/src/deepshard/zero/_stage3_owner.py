@@ -9,9 +9,15 @@ which flat range of it the rank holds and where in the unit's partition (``local
 the ``safe_get_*`` / ``safe_set_*`` functions work unchanged.
 
 Unlike stages 0-2 the model's own copy is partitioned too: setting a parameter writes the
-rank's piece into the unit's partition (rounded to the model dtype) and, when the unit is
-gathered right now, the whole value into the gathered buffer, so the next forward sees it
-whether or not it re-gathers.
+rank's piece into the unit's partition through its home (rounded to the model dtype; a host
+buffer or a file with ``offload_param``) and, when the unit is gathered right now, the whole
+value into the gathered buffer, so the next forward sees it whether or not it re-gathers.
+
+With ``offload_optimizer: cpu`` the masters are the host masters and the state is the CPU Adam
+kernel's host moments (``exp_avg``, ``exp_avg_sq``, whole per unit) or the inner optimizer's
+state of its host master views; reads and writes go to them directly. With ``nvme`` masters and
+moments live in files between steps, so views of them cannot be written: the fp32 and state
+accessors are refused with `ConfigError` (gradients and the model parameters still work).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import torch
 
 from deepshard.interface import ShardMap
 from deepshard.interface.errors import ConfigError
+from deepshard.zero._offload_state import HostState
 
 if TYPE_CHECKING:
+    from deepshard.zero._offload import HostOffload
     from deepshard.zero._shard_info import ShardInfo
     from deepshard.zero._sharded import ShardedModule
     from deepshard.zero.access import StateKind
@@ -43,6 +51,7 @@ class Stage3PartitionAccess:
     sharded: ShardedModule
     _masters: list[torch.Tensor]
     _views: list[View]
+    _offload: HostOffload | None
     _group: torch.distributed.ProcessGroup
     _ready: bool
     check_resident: Callable[[str], None]
@@ -88,21 +97,50 @@ class Stage3PartitionAccess:
         spans = [
             (p.local_offset, p.local_offset + p.numel) for p in info.shard.shard_map.pieces_of(rank)
         ]
-        if kind == "fp32":
-            return [self._masters[info.unit][lo:hi] for lo, hi in spans]
         if kind == "grad":
             grads = self.sharded.units[info.unit].grad_partition if self._ready else None
             return None if grads is None else [grads[lo:hi] for lo, hi in spans]
+        if kind == "fp32":
+            master = self._owner_masters(kind)[info.unit]
+            return [master[lo:hi] for lo, hi in spans]
         return [view for lo, hi in spans for view in self._state_slices(info.unit, lo, hi, key)]
+
+    def _owner_masters(self, kind: str) -> list[torch.Tensor]:
+        """The masters ``local_views`` reads and writes: on the device, or the host masters.
+
+        Raises:
+            ConfigError: With NVMe optimizer offload (masters and moments are in files).
+        """
+        if self._offload is None:
+            return self._masters
+        state = self._offload.state
+        if not isinstance(state, HostState):
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.device: 'nvme' keeps the fp32 masters and "
+                f"optimizer state in files between steps, so their {kind} cannot be read or "
+                "written in place at ZeRO stage 3; use device 'cpu' (or none) for the "
+                "safe_get/safe_set fp32 and optimizer-state functions"
+            )
+        return state.masters
+
+    def _state_entries(self, unit: int) -> list[tuple[dict[str, torch.Tensor], View]]:
+        """Every master view of ``unit`` with its per-element state."""
+        if self._offload is None:
+            return [(self.inner.state.get(v[1], {}), v) for v in self._views if v[0] == unit]
+        masters = self._owner_masters("state")
+        assert isinstance(self._offload.state, HostState), "checked by _owner_masters"
+        moments = self._offload.state.moments
+        if moments:  # the CPU Adam kernel: whole-unit moments on the host
+            state = {"exp_avg": moments[0][unit], "exp_avg_sq": moments[1][unit]}
+            return [(state, (unit, masters[unit], 0, masters[unit].numel()))]
+        views = self._offload.views[unit]
+        return [(self.inner.state.get(v, {}), (unit, v, lo, hi)) for v, lo, hi in views]
 
     def _state_slices(self, unit: int, lo: int, hi: int, key: str | None) -> list[torch.Tensor]:
         """Slices of state ``key`` covering ``[lo, hi)`` of ``unit``'s master."""
         keys: set[str] = set()
         slices = []
-        for view_unit, view, start, stop in self._views:
-            if view_unit != unit:
-                continue
-            state = self.inner.state.get(view, {})
+        for state, (_, view, start, stop) in self._state_entries(unit):
             flat = {k for k, v in state.items() if _flat_like(v, view)}
             keys |= flat
             a, b = max(lo, start), min(hi, stop)
@@ -122,10 +160,9 @@ class Stage3PartitionAccess:
         state = self.sharded.units[info.unit]
         flat = value.reshape(-1)
         with torch.no_grad():
-            lo = info.local_offset
-            state.partition[lo : lo + info.local_numel].copy_(
-                flat[info.flat_start : info.flat_stop]
-            )
+            piece = flat[info.flat_start : info.flat_stop].clone()  # a file write pins it
+            state.home.write(piece, info.local_offset)
+            state.home.flush()
             if state.in_flight:  # the gather read the old partition: finish it, then overwrite
                 state.wait_gather()
             if state.gathered:

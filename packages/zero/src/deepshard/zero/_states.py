@@ -194,6 +194,9 @@ class StateOffload:
                 "to the host; call reload_states() first"
             )
 
+    def _in_backward(self) -> bool:
+        return self._passes.in_pass
+
     def _state_tensors(self, name: str) -> list[torch.Tensor]:
         if name == "optim_states":
             inner = [v for s in self.inner.state.values() for v in s.values()]
@@ -240,7 +243,7 @@ class StateOffload:
                 f"offload_states: {again} are already offloaded; call reload_states() before "
                 "offloading them again"
             )
-        if self._passes.in_pass:
+        if self._in_backward():
             raise CommError("offload_states() was called during a backward pass; call it after")
         accelerator = get_accelerator(self._device.type)
         before = accelerator.memory_allocated()

@@ -81,17 +81,25 @@ class Swapper:
         root: Where the swapper makes its directory (``offload_optimizer.nvme_path``).
         aio: Block size, batch depth, thread count, submission and overlap of the requests.
         prefix: Start of the directory's name (made unique, e.g. per rank and optimizer).
+        key: The config key of ``root``, for the error message.
 
     Raises:
         ConfigError: ``root`` does not exist or is not a writable directory.
     """
 
-    def __init__(self, root: Path, aio: AioConfig, *, prefix: str) -> None:
+    def __init__(
+        self,
+        root: Path,
+        aio: AioConfig,
+        *,
+        prefix: str,
+        key: str = "zero_optimization.offload_optimizer.nvme_path",
+    ) -> None:
         if not root.is_dir() or not os.access(root, os.W_OK):
             raise ConfigError.from_problems(
                 [
                     (
-                        "zero_optimization.offload_optimizer.nvme_path",
+                        key,
                         f"{str(root)!r} is not a writable directory; create it or point "
                         "nvme_path at a local NVMe mount",
                     )

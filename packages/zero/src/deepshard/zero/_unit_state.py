@@ -15,6 +15,10 @@ it and kept until the unit's turn to reduce; then they are copied into one flat 
 reduce dtype (zeros for parameters without a gradient, and for padding), reduce-scattered in
 calls of at most ``reduce_bucket_size`` elements, and the chunk is added to the gradient
 partition (in the accumulation dtype), which lives until the optimizer consumes it.
+
+Where the partition lives between gathers is its *home* (`deepshard.zero._param_offload`): the
+device, a host buffer or an NVMe file (``offload_param``); the gather reads the device copy the
+home provides.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from deepshard.comm import CommHandle, CommsLogger, Group, all_gather_into_tensor, resolve_group
+from deepshard.zero._param_offload import DeviceHome, HomeFactory
 from deepshard.zero._units import UnitPlan
 from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket
 
@@ -37,9 +42,17 @@ class UnitState:
         plan: The unit.
         group: The data-parallel group it is partitioned over.
         logger: Records the all-gathers and reduce-scatters.
+        home: Makes the partition's home from the device partition; ``None`` keeps it on the
+            device.
     """
 
-    def __init__(self, plan: UnitPlan, group: Group, logger: CommsLogger | None) -> None:
+    def __init__(
+        self,
+        plan: UnitPlan,
+        group: Group,
+        logger: CommsLogger | None,
+        home: HomeFactory | None = None,
+    ) -> None:
         self.plan = plan
         self._group = resolve_group(group)
         self._logger = logger
@@ -51,14 +64,21 @@ class UnitState:
             for slot, param in zip(layout.slots, plan.params, strict=True):
                 self.buffer[slot.offset : slot.stop].copy_(param.data.reshape(-1))
         chunk = layout.partition_numel
-        self.partition = self.buffer[self.rank * chunk : (self.rank + 1) * chunk].clone()
+        partition = self.buffer[self.rank * chunk : (self.rank + 1) * chunk].clone()
+        self.home = DeviceHome(partition) if home is None else home(plan.index, partition)
         self.trainable = tuple(i for i, p in enumerate(plan.params) if p.requires_grad)
         self.grad_partition: torch.Tensor | None = None
         self.pending: dict[int, torch.Tensor] = {}
         self._handle: CommHandle[torch.Tensor] | None = None
+        self._source: torch.Tensor | None = None
         self.gathered = True
         self._empty = torch.empty(0, dtype=plan.dtype, device=device)
         self._point_params()  # the parameters' own storage goes now (`release` frees the buffer)
+
+    @property
+    def partition(self) -> torch.Tensor:
+        """This rank's chunk in its home (no bytes between uses when the home is a file)."""
+        return self.home.partition
 
     @property
     def numel(self) -> int:
@@ -74,15 +94,17 @@ class UnitState:
         """Start all-gathering the partitions into the buffer (no-op when gathered)."""
         if self.gathered or self._handle is not None:
             return
+        source = self.home.source()
         storage = self.buffer.untyped_storage()
         storage.resize_(self.numel * self.buffer.element_size())
         if self.world == 1 or self.numel == 0:  # nothing to communicate
-            self.buffer.copy_(self.partition)
+            self.buffer.copy_(source)
             self.gathered = True
             self._point_params()
             return
+        self._source = source  # an offloaded partition's device copy lives until the wait
         self._handle = all_gather_into_tensor(
-            self.partition,
+            source,
             group=self._group,
             output=self.buffer,
             async_op=True,
@@ -95,7 +117,7 @@ class UnitState:
         self.start_gather()
         if self._handle is not None:
             self._handle.wait()
-            self._handle = None
+            self._handle, self._source = None, None
             self.gathered = True
             self._point_params()
 

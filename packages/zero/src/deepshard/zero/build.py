@@ -116,4 +116,6 @@ def _stage3(
         comms_logger=comms_logger,
         full_grad_transform=full_grad_transform,
         transformed_params=transformed_params,
+        aio=config.aio,
+        zero_force_ds_cpu_optimizer=config.zero_force_ds_cpu_optimizer,
     )

@@ -37,14 +37,6 @@ _STAGE3_KEYS = (
 )
 
 _PLANNED = (
-    FeatureStatus(
-        "zero_optimization.offload_param",
-        "planned",
-        "ZeRO-3 parameter offload",
-        _ZERO,
-        When("other_than", _OFF, field="device"),
-        fix='remove the section or set its device to "none"',
-    ),
     FeatureStatus("sparse_gradients", "planned", "sparse embedding gradients", _ZERO, When("true")),
     FeatureStatus(
         "fp16.fp16_master_weights_and_grads",

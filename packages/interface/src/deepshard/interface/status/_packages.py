@@ -48,7 +48,8 @@ PACKAGES: tuple[PackageStatus, ...] = (
         "deepshard.zero",
         "packages/zero",
         "ZeRO stages 0-3, `Init`, `GatheredParameters`, optimizer offload to CPU or NVMe at "
-        "stages 1-2 (available); offload at stage 3 (planned)",
+        "stages 1-3, parameter offload and `offload_states` at stage 3 (available); Muon with "
+        "optimizer offload, `Init` with NVMe parameter offload (planned)",
         "partial",
     ),
     PackageStatus(

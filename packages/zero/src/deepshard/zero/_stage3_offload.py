@@ -1,0 +1,156 @@
+"""Optimizer offload at ZeRO stage 3: the stage 1-2 host pipeline over unit partitions.
+
+At stage 3 every unit has its own partition, and the inner optimizer's param groups cut across
+units. The stage 1-2 machinery (`deepshard.zero._offload.HostOffload`: per sub-group gradient
+copy to the host, CPU Adam kernel, write-back in the compute dtype; `HostState` / `NvmeState`
+for the fp32 masters and moments; the `Swapper`) runs unchanged with two mappings:
+
+* **Pipeline groups are units.** Host masters, moments, gradient and output buffers (and NVMe
+  files) are one per unit partition, each over its *trainable prefix* only (frozen parameters
+  sit at the end of the unit's layout and get no master), and a `SubGroup`'s ``group`` is the
+  unit.
+* **Sub-groups never cross a param group.** They are the stage-3 optimizer's merged master
+  ranges (consecutive pieces of one unit that belong to one param group, merged across the
+  alignment padding between them), cut at ``sub_group_size``; ``SubGroup.hyper`` names the
+  param group whose hyper-parameters step them. Elements in no range (frozen parameters, the
+  padding at a partition's end) are never stepped, as without offload. Sub-groups are ordered by
+  unit, so a unit's writes are consecutive.
+
+The stepped values are written back through the unit's home (`deepshard.zero._param_offload`):
+into the device partition, the host partition (``offload_param: cpu``) or behind into its file
+(``offload_param: nvme``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from deepshard.interface.config import AioConfig, ZeroConfig
+from deepshard.zero._flat_params import master_views
+from deepshard.zero._offload import HostOffload, Views, _accelerator
+from deepshard.zero._offload_plan import SubGroup, adam_rule, offload_device
+from deepshard.zero._offload_state import HostState, NvmeState, host_allocator
+from deepshard.zero._optimizer_check import master_view_numel
+from deepshard.zero._sharded import ShardedModule
+from deepshard.zero._stage3_masters import follow_partition
+
+__all__ = ["build_stage3_offload", "follow_partitions", "stage3_sub_groups"]
+
+Ranges = Sequence[Sequence[tuple[int, int, int]]]
+"""Per param group, the ``(unit, lo, hi)`` master ranges it steps."""
+
+
+def stage3_sub_groups(ranges: Ranges) -> tuple[SubGroup, ...]:
+    """Sub-groups of stage-3 master ranges, ordered by unit then offset.
+
+    Args:
+        ranges: Per param group, ``(unit, lo, hi)`` ranges of unit partitions, already cut to at
+            most ``sub_group_size`` elements.
+
+    Returns:
+        One `SubGroup` per range (``group`` = unit, ``hyper`` = param group).
+    """
+    flat = sorted((unit, lo, hi, g) for g, mine in enumerate(ranges) for unit, lo, hi in mine)
+    return tuple(
+        SubGroup(unit, k, lo, hi, hyper=g) for k, (unit, lo, hi, g) in enumerate(flat) if hi > lo
+    )
+
+
+def _inner_views(
+    optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor], subs: Sequence[SubGroup]
+) -> list[Views]:
+    """Host master views for an optimizer stepped as itself; its groups are re-pointed."""
+    view_numel = master_view_numel(optimizer, transformed=False)
+    views: list[Views] = [[] for _ in masters]
+    groups: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    for sub in subs:
+        piece = masters[sub.group][sub.start : sub.stop]
+        for view, lo, hi in master_views(piece, view_numel):
+            views[sub.group].append((view, sub.start + lo, sub.start + hi))
+            groups[sub.param_group].append(view)
+    for group, params in zip(optimizer.param_groups, groups, strict=True):
+        group["params"] = params
+    return views
+
+
+def build_stage3_offload(
+    config: ZeroConfig,
+    optimizer: torch.optim.Optimizer,
+    sharded: ShardedModule,
+    ranges: Ranges,
+    trainable: Sequence[int],
+    aio: AioConfig | None,
+) -> HostOffload | None:
+    """The host side of stage-3 optimizer offload, or ``None`` when the config has none.
+
+    Builds the fp32 masters on the host (or in the files) from the unit partitions and
+    re-points the inner optimizer's param groups at host master views (or empties them when
+    the CPU Adam kernel steps).
+
+    Args:
+        config: The ``zero_optimization`` section, already checked by ``offload_problems``.
+        optimizer: The inner optimizer.
+        sharded: The model side; its units' homes receive the updated parameters.
+        ranges: Per param group, the ``(unit, lo, hi)`` ranges it steps.
+        trainable: Per unit, the elements its master covers (the partition's trainable prefix).
+        aio: The ``aio`` section (NVMe).
+    """
+    section, kind = config.offload_optimizer, offload_device(config)
+    if section is None or kind == "none":
+        return None
+    units = sharded.units
+    device = units[0].buffer.device
+    rule = adam_rule(optimizer)
+    allocate = host_allocator(_accelerator(device), section.pin_memory)
+    subs = stage3_sub_groups(ranges)
+    numels = list(trainable)
+    values = [u.home.read()[:n] for u, n in zip(units, numels, strict=True)]
+    fp32_states = getattr(optimizer, "fp32_optimizer_states", True) is not False
+    moment_dtype = torch.float32 if fp32_states else torch.bfloat16
+    state: HostState | NvmeState
+    masters: list[torch.Tensor] | None = None
+    if kind == "nvme":
+        prefix, aio = f"zero3-pid{os.getpid()}-", aio if aio is not None else AioConfig()
+        fp32 = [v.float() for v in values]
+        state = NvmeState(fp32, subs, section, aio, moment_dtype, allocate, prefix=prefix)
+    else:
+        masters = [allocate(n, torch.float32).copy_(v) for n, v in zip(numels, values, strict=True)]
+        state = HostState(masters, moment_dtype if rule else None, allocate)
+    host_out = [
+        masters[i] if masters is not None and u.plan.dtype == torch.float32
+        else allocate(n, u.plan.dtype)
+        for i, (u, n) in enumerate(zip(units, numels, strict=True))
+    ]  # fmt: skip
+    if rule is None:
+        assert masters is not None, "offload_problems refuses nvme without Adam"
+        views = _inner_views(optimizer, masters, subs)
+    else:
+        views = [[] for _ in units]
+        for group in optimizer.param_groups:
+            group["params"] = []
+    host_grads = [allocate(n, torch.float32) for n in numels]
+
+    def write_back(sub: SubGroup, out: torch.Tensor) -> None:
+        units[sub.group].home.write(out, sub.start)
+
+    return HostOffload(
+        subs, state, rule, views, host_grads, host_out, [], write_back=write_back, device=device
+    )
+
+
+def follow_partitions(offload: HostOffload, sharded: ShardedModule, units: Sequence[int]) -> None:
+    """The host (or file) masters of ``units`` take their partitions' hand-written values.
+
+    `GatheredParameters` and ``partition()`` write partitions directly; the masters follow as
+    `deepshard.zero._stage3_masters.follow_partition` says. Resident host masters are changed
+    in place; NVMe masters are read from their files, changed and written back (moments too:
+    the state moves as a whole).
+    """
+    states = offload.state.whole()
+    for unit in units:
+        follow_partition(states[0][unit], sharded.units[unit].home.read())
+    if not isinstance(offload.state, HostState):
+        offload.state.load(states)

@@ -28,7 +28,8 @@ class GatherWaits:
 
     Attributes:
         clock: Monotonic seconds.
-        exposed_s: Seconds spent blocked waiting for all-gathers a hook needed.
+        exposed_s: Seconds spent blocked waiting for all-gathers a hook (or a
+            `GatheredParameters` block) needed.
         waits: Needed units whose gather had been started and not yet waited for.
         prefetched: Gathers started ahead of use by prefetch.
         prefetch_hits: Needed units whose gather prefetch had started before they were needed.

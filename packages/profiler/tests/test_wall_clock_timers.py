@@ -93,3 +93,33 @@ def test_disabled_timers_do_nothing_and_bad_phases_are_refused() -> None:
         timers.time("reduce"),
     ):
         pass
+
+
+@dataclass
+class _Waits:
+    """A stage-3 module's running blocked-on-gather seconds."""
+
+    exposed_gather_s: float = 0.0
+
+
+def test_stage3_lines_show_exposed_and_total_gather_time_per_step() -> None:
+    logger, clock, waits = _Logger(cap=100), _Clock(), _Waits(exposed_gather_s=7.0)
+    timers = WallClockTimers(
+        enabled=True, synchronize=lambda: None, comms=logger, gathers=waits, clock=clock
+    )
+    # seconds blocked before the timers existed are not any step's
+    for exposed, gathers in ((0.5, (1.0, 2.0)), (0.25, (3.0,))):
+        with timers.time("forward"):
+            clock.now += 1.0
+            waits.exposed_gather_s += exposed
+            for latency in gathers:
+                logger.log("all_gather_into_tensor", latency)
+            logger.log("reduce_scatter_tensor", 4.0)
+        times = timers.end_step()
+        assert times.gather_exposed_s == exposed and times.gather_s == sum(gathers)
+        assert times.reduce_s == 4.0
+    assert timers.line() == (
+        "time per step (ms): forward 1000.00 | backward 0.00 | reduce 4000.00 | step 0.00 | "
+        "gather (exposed) 375.00 | gather (total) 3000.00"
+    )
+    assert "gather" not in _timers(logger, clock, []).line()  # stages 0-2: no gather figures

@@ -57,8 +57,8 @@ from deepshard.interface import BatchSizes, DeepShardConfig
 from deepshard.interface.config import CommsLoggerConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.interface.watchdog import resolve_watchdog_s
-from deepshard.profiler import WallClockTimers
-from deepshard.zero import ZeroOptimizer
+from deepshard.profiler import GatherWaitSource, WallClockTimers
+from deepshard.zero import Stage3Optimizer, ZeroOptimizer
 
 __all__ = ["InitializeResult", "initialize"]
 
@@ -132,9 +132,13 @@ def _reporter(
     device: torch.device,
     comms_logger: CommsLogger | None,
     memory: Callable[[], TensorBytes],
+    gathers: GatherWaitSource | None,
 ) -> ProgressReporter:
     timers = WallClockTimers(
-        enabled=_timed(config), synchronize=_synchronizer(device), comms=comms_logger
+        enabled=_timed(config),
+        synchronize=_synchronizer(device),
+        comms=comms_logger,
+        gathers=gathers,
     )
     return ProgressReporter(
         steps_per_print=config.steps_per_print,
@@ -275,6 +279,8 @@ def initialize(
             device=device,
             comms_logger=comms,
             memory=lambda: tensor_bytes(model, zero),
+            # stage 3: the breakdown shows how much of the parameter gathers was exposed
+            gathers=zero.sharded.gather_waits if isinstance(zero, Stage3Optimizer) else None,
         ),
         comms_logger=comms,
         world=world,

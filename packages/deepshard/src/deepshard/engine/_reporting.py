@@ -7,7 +7,10 @@ rates, the global gradient norm, the loss scale and the samples per second since
 line. With ``wall_clock_breakdown`` a second line gives the mean time per step of each phase:
 forward, backward (which includes the reductions ZeRO overlaps with it), reduce (the time the
 reduction collectives of each step took, from the comms logger's records of that step) and step
-(norm, update, parameter gather); the timers are a `deepshard.profiler.WallClockTimers`. With
+(norm, update, parameter gather); at ZeRO stage 3 also "gather (exposed)", the time the rank was
+blocked waiting for parameter all-gathers its hooks needed (`ShardedModule.gather_waits`), and
+"gather (total)", those all-gathers' latency from the comms records, so the share prefetch hid is
+visible; the timers are a `deepshard.profiler.WallClockTimers`. With
 ``memory_breakdown`` a line gives this rank's tensor bytes, and with ``comms_logger.enabled``
 the logger's summary table follows.
 

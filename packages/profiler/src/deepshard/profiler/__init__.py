@@ -20,13 +20,22 @@ from deepshard.profiler._report import (
     TrainingStep,
     number_to_string,
 )
-from deepshard.profiler._timers import PHASES, CommRecordSource, StepTimes, WallClockTimers
+from deepshard.profiler._timers import (
+    GATHER_OPS,
+    PHASES,
+    CommRecordSource,
+    GatherWaitSource,
+    StepTimes,
+    WallClockTimers,
+)
 
 __all__ = [
+    "GATHER_OPS",
     "PEAK_FLOPS",
     "PHASES",
     "CommRecordSource",
     "FlopsProfiler",
+    "GatherWaitSource",
     "ModelProfile",
     "ModuleProfile",
     "ModuleTally",

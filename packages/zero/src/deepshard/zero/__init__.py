@@ -16,6 +16,7 @@ functions (`deepshard.zero.access`) read and write one parameter's master, gradi
 """
 
 from deepshard.zero._full_grads import FullGradTransform
+from deepshard.zero._gather_waits import GatherWaits
 from deepshard.zero._gathered import GatheredParameters, partition
 from deepshard.zero._init import Init
 from deepshard.zero._init_settings import stage3_policy
@@ -67,6 +68,7 @@ __all__ = [
     "FlatLayout",
     "FullGradTransform",
     "GatherCall",
+    "GatherWaits",
     "GatheredParameters",
     "GradNorm",
     "GradientReduction",

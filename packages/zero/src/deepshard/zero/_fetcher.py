@@ -17,6 +17,10 @@ it is used again — in this forward, or in the backward that follows when grad 
 within ``max_reuse_distance`` gathered elements. A unit gathered for backward is held until its
 gradients are complete (or the pass ends).
 
+*Waits.* The blocking wait for a needed unit's gather is timed into a `GatherWaits` (the
+exposed gather time), which also counts the gathers prefetch started and how many of them a
+hook found already under way.
+
 *Live window.* The gathered elements of non-resident units never exceed
 ``max_live_parameters`` through prefetching; a unit needed now is gathered anyway, after
 releasing units kept only for reuse, because units in use can never be released.
@@ -27,6 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from deepshard.zero._gather_waits import GatherWaits
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._unit_state import UnitState
 
@@ -40,12 +45,18 @@ class Fetcher:
         units: Every unit's state, by unit index (0 is the root).
         policy: The prefetch, reuse, persistence and live-window knobs.
         externals: Per unit, the units it gathers with itself (owners of parameters it uses).
+        waits: Where the blocking waits for needed gathers are timed and counted.
     """
 
     def __init__(
-        self, units: Sequence[UnitState], policy: ZeroPolicy, externals: Sequence[set[int]]
+        self,
+        units: Sequence[UnitState],
+        policy: ZeroPolicy,
+        externals: Sequence[set[int]],
+        waits: GatherWaits,
     ) -> None:
         self.units = list(units)
+        self.waits = waits
         self.policy = policy
         self.externals = externals
         self.resident = set(policy.resident_units([u.plan.numel for u in self.units]))
@@ -202,8 +213,22 @@ class Fetcher:
         for u in group:
             self.units[u].start_gather()
         self._note_live()
-        for u in group:
-            self.units[u].wait_gather()
+        self._wait(group)
+
+    def _wait(self, group: list[int]) -> None:
+        """Wait for ``group``'s gathers, timing only the waits on gathers still in flight."""
+        waits, states = self.waits, [self.units[u] for u in group]
+        for state in states:
+            waits.prefetch_hits += int(state.early)
+            state.early = False
+        pending = [state for state in states if state.in_flight]
+        if not pending:
+            return
+        start = waits.clock()
+        for state in pending:
+            state.wait_gather()
+        waits.exposed_s += waits.clock() - start
+        waits.waits += len(pending)
 
     def _evict(self) -> None:
         """Release units kept only for reuse (gathered, idle, not held)."""
@@ -226,6 +251,7 @@ class Fetcher:
                 limit = self.policy.max_live_parameters
                 if not resident and self.live_numel() + state.numel > limit:
                     return
-                state.start_gather()
+                state.start_gather(early=True)
+                self.waits.prefetched += 1
                 budget -= state.numel
                 self._note_live()

@@ -32,6 +32,7 @@ from torch.autograd import Variable
 from deepshard.comm import CommsLogger
 from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._fetcher import Fetcher
+from deepshard.zero._gather_waits import GatherWaits
 from deepshard.zero._outside_graphs import outside_graphs
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._scheduler import BucketScheduler
@@ -103,7 +104,9 @@ class ShardedModule:
         self.group, self.policy, self._infos = group, policy, infos
         self._logger = logger
         self._externals = [set(p.external) for p in plans]
-        self.fetcher = Fetcher(states, policy, self._externals)
+        self.gather_waits = GatherWaits()
+        """The exposed (blocking) gather time and prefetch counts, running totals."""
+        self.fetcher = Fetcher(states, policy, self._externals, self.gather_waits)
         members = {p.index: len(s.trainable) for p, s in zip(plans, states, strict=True)}
         order = [p.index for p in reversed(plans)]
         inflight = 2 if policy.overlap_comm else 0

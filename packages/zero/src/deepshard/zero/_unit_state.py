@@ -72,6 +72,8 @@ class UnitState:
         self._handle: CommHandle[torch.Tensor] | None = None
         self._source: torch.Tensor | None = None
         self.gathered = True
+        self.early = False
+        """Whether prefetch started the current gather before the unit was needed."""
         self._empty = torch.empty(0, dtype=plan.dtype, device=device)
         self._point_params()  # the parameters' own storage goes now (`release` frees the buffer)
 
@@ -90,10 +92,15 @@ class UnitState:
         """Whether a gather was started and not waited for."""
         return self._handle is not None
 
-    def start_gather(self) -> None:
-        """Start all-gathering the partitions into the buffer (no-op when gathered)."""
+    def start_gather(self, *, early: bool = False) -> None:
+        """Start all-gathering the partitions into the buffer (no-op when gathered).
+
+        Args:
+            early: Prefetch starts it before the unit is needed (kept in `early`).
+        """
         if self.gathered or self._handle is not None:
             return
+        self.early = early
         source = self.home.source()
         storage = self.buffer.untyped_storage()
         storage.resize_(self.numel * self.buffer.element_size())
@@ -137,7 +144,7 @@ class UnitState:
             if param.data.untyped_storage().data_ptr() == storage:
                 param.data = self._empty
         self.buffer.untyped_storage().resize_(0)
-        self.gathered = False
+        self.gathered = self.early = False
 
     def take_grad(self, slot_index: int, grad: torch.Tensor) -> None:
         """Keep one parameter's gradient of this pass until the unit reduces."""

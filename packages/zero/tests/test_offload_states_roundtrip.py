@@ -22,7 +22,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -133,7 +132,7 @@ def _refusals(group: Any, rank: int) -> dict[str, str]:
     expect("device", ConfigError, lambda: zero.offload_states(device="nvme"))
     expect("reload", CommError, zero.reload_states)
     state = next(iter(zero.inner.state.values()))
-    state["foreign"] = torch.from_numpy(np.zeros(4, dtype=np.float32))  # memory torch does not own
+    state["foreign"] = torch.frombuffer(bytearray(16), dtype=torch.float32)  # not torch-owned
     expect("foreign", CommError, zero.offload_states)
     refused["after_foreign"] = str(zero.offloaded_states)
     del state["foreign"]

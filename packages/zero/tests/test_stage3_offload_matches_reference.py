@@ -29,7 +29,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
@@ -105,8 +104,10 @@ def _train(model: Any, sharded: Any, zero: Any, rank: int, ga: int) -> dict[str,
 
 
 def _file_bytes(path: Path, dtype: torch.dtype) -> torch.Tensor:
-    raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8).copy())
-    return raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
+    data = Path(path).read_bytes()  # torch.frombuffer refuses an empty buffer
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
 
 
 def _where(model: Any, sharded: Any, zero: Any, run: tuple[str, str, torch.dtype, int]) -> dict:

@@ -45,8 +45,8 @@ from deepshard.accelerators import get_accelerator
 from deepshard.interface.errors import CommError, ConfigError
 
 if TYPE_CHECKING:
+    from deepshard.interface import FullGradientPath
     from deepshard.zero._flat_params import FlatParams
-    from deepshard.zero._full_grad_path import FullGroupsPath
     from deepshard.zero._full_grad_store import SplitGradients
     from deepshard.zero._passes import BackwardPasses
 
@@ -161,7 +161,7 @@ class StateOffload:
     _params: list[list[torch.nn.Parameter]]
     _masters: list[torch.Tensor]
     _store: SplitGradients
-    _full: FullGroupsPath
+    _full: FullGradientPath
     _device: torch.device
     _passes: BackwardPasses
     _offloaded: dict[str, list[_Released]]

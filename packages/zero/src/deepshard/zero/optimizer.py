@@ -126,6 +126,8 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
         CommError: ``group`` is a mesh with more than one axis, or not a group.
     """
 
+    _full: FullGroupsPath
+
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ZeroOptimizer:
         """``ZeroOptimizer(inner, sharded_module)`` is stage 3 (`deepshard.zero.shard`)."""
         if cls is ZeroOptimizer and args and isinstance(args[0], ShardedModule):

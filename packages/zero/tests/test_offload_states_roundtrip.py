@@ -48,7 +48,7 @@ def _build(group: Any, stage: int, dtype: torch.dtype) -> tuple[Any, Any]:
 
 def _by_type(model: Any, zero: Any, stage: int) -> dict[str, list[torch.Tensor]]:
     """Every tensor of each state type, found without the implementation's own lists."""
-    store = zero._store
+    store = zero._store.ordinary  # no full-gradient groups here: the ordinary store holds all
     state = [t for s in zero.inner.state.values() for t in s.values() if torch.is_tensor(t)]
     grads: dict[str, list[torch.Tensor]] = {"lp_grads": [], "contiguous_grad_buffer": []}
     if stage < 2:

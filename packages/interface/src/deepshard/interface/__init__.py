@@ -13,7 +13,7 @@ from deepshard.interface.errors import (
     LaunchError,
     TopologyError,
 )
-from deepshard.interface.params import ParamShapes
+from deepshard.interface.params import FullGradientPath, ParamShapes
 from deepshard.interface.placement import (
     AxisPlacement,
     FlatShard,
@@ -35,6 +35,7 @@ __all__ = [
     "DeepShardConfig",
     "DeepShardError",
     "FlatShard",
+    "FullGradientPath",
     "LaunchError",
     "ParamPlacement",
     "ParamShapes",

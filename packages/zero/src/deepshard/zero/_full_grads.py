@@ -23,10 +23,15 @@ decoupled weight decay and the learning rate.
 
 **Selection is per param group.** A param group's trainable parameters are transformed all or
 none (Muon's ``use_muon`` groups are exactly that), so a flat buffer and its buckets hold only
-transformed parameters or none. Their buckets are all-reduced whole (never reduce-scattered),
-once per accumulation cycle, at the boundary: stages 0 and 1 keep a full gradient buffer anyway;
-stage 2 keeps one for these groups too and accumulates micro-steps into it locally instead of
-reduce-scattering every micro-step. The transform runs in ``step`` on every rank that holds a
+transformed parameters or none. Those groups form a *full-gradient path*
+(`deepshard.interface.FullGradientPath`), the only thing the optimizer's step talks to:
+at stages 0-2 `deepshard.zero._full_grad_path.FullGroupsPath`, whose own gradient store
+(`deepshard.zero._full_grad_store.FullGroupGradients`) all-reduces their buckets whole (never
+reduce-scattered), once per accumulation cycle, at the boundary, accumulating micro-steps
+locally in a full gradient buffer (also at stage 2); the ordinary stores never see these
+groups. At stage 3 it is `deepshard.zero._stage3_muon.Stage3FullGrads`. This module holds what
+both share: the transform's type, the group selection and the persistent buffers. The transform
+runs in ``step`` on every rank that holds a
 piece of the parameter (every rank at stage 0; at stages 1-2 the owner, or the few owners of a
 parameter straddling a chunk boundary, which compute the same update from the same all-reduced
 gradient). Memory per rank, beyond plain ZeRO: the full gradient of these groups at stage 2, and
@@ -45,18 +50,14 @@ covers pieces of several parameters and has no single layer shape: ``full_shape`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import torch
 
 from deepshard.interface.errors import CheckpointError, ConfigError
-from deepshard.zero._flat_params import master_views
-from deepshard.zero._shards import ParamShard
-from deepshard.zero.layout import FlatLayout, ParamSlot
 
-__all__ = ["FullGradTransform", "FullGradTransforms", "selected_groups"]
+__all__ = ["FullGradTransform", "TransformBuffers", "selected_groups"]
 
 FullGradTransform: TypeAlias = Callable[
     [torch.Tensor, torch.Tensor, Mapping[str, Any]], torch.Tensor
@@ -110,157 +111,57 @@ def selected_groups(
     return tuple(flags)
 
 
-@dataclass(frozen=True)
-class _Target:
-    """A transformed parameter with a piece on this rank, and where the piece goes."""
-
-    name: str
-    group_index: int
-    slot: ParamSlot
-    flat_start: int
-    flat_stop: int
-    local_offset: int
-
-    @property
-    def local_stop(self) -> int:
-        return self.local_offset + self.flat_stop - self.flat_start
-
-
-class FullGradTransforms:
-    """The transformed groups of one `ZeroOptimizer` on one rank: views, buffers, the transform.
+class TransformBuffers:
+    """The transform and its persistent buffers, by parameter name, on one rank.
 
     Args:
-        transform: The full-gradient transform (``None``: nothing is transformed).
-        flags: Per group, whether it is transformed (`selected_groups`).
-        layouts: Every group's layout.
-        masters: Every group's fp32 master partition on this rank.
-        names: Every group's parameter names, in layout order.
-        rank: This rank's partition index (0 when unpartitioned).
-        view_numel: Most elements of a view of an untransformed group's master (`master_views`);
-            ``None`` steps each such master whole.
+        transform: The full-gradient transform (``None`` only when nothing is transformed).
+        shapes: The shape of every parameter this rank transforms, by name.
+        checkpoint_hint: How to load a checkpoint these buffers accept (ends the error message
+            of `load_state_dict`).
     """
 
     def __init__(
         self,
         transform: FullGradTransform | None,
-        flags: Sequence[bool],
-        layouts: Sequence[FlatLayout],
-        masters: Sequence[torch.Tensor],
-        names: Sequence[Sequence[str]],
-        rank: int,
-        view_numel: int | None = None,
+        shapes: Mapping[str, tuple[int, ...]],
+        checkpoint_hint: str,
     ) -> None:
-        assert transform is not None or not any(flags), "selected groups need a transform"
+        assert transform is not None or not shapes, "transformed parameters need a transform"
         self._transform = transform
-        self.flags = tuple(flags)
-        self._targets = [
-            _Target(names[g][slot.index], g, slot, piece.flat_start, piece.flat_stop,
-                    piece.local_offset)
-            for g, layout in enumerate(layouts) if self.flags[g]
-            for slot in layout.slots
-            for piece in layout.pieces(slot) if piece.rank == rank
-        ]  # fmt: skip
-        self.views: list[list[tuple[torch.Tensor, int, int]]] = []
-        """Per group, the tensors the inner optimizer steps and their range of the partition."""
-        self._shapes: dict[int, tuple[int, ...]] = {}
-        for g, master in enumerate(masters):
-            if not self.flags[g]:
-                self.views.append(master_views(master, view_numel))
-                continue
-            group_views = []
-            for t in (t for t in self._targets if t.group_index == g):
-                view = master[t.local_offset : t.local_stop]
-                self._shapes[id(view)] = t.slot.shape
-                group_views.append((view, t.local_offset, t.local_stop))
-            self.views.append(group_views)
+        self._shapes = dict(shapes)
+        self._hint = checkpoint_hint
         self.buffers: dict[str, torch.Tensor] = {}
-        """The transform's persistent buffer of every target, by parameter name."""
+        """The transform's persistent buffer of every parameter used so far."""
 
-    @classmethod
-    def build(
-        cls,
-        transform: FullGradTransform | None,
-        selected: Iterable[torch.Tensor],
-        *,
-        params: Sequence[Sequence[torch.Tensor]],
-        layouts: Sequence[FlatLayout],
-        shards: Sequence[ParamShard],
-        masters: Sequence[torch.Tensor],
-        rank: int,
-        param_groups: Sequence[MutableMapping[str, Any]],
-        view_numel: int | None = None,
-    ) -> FullGradTransforms:
-        """Select the groups, and point the inner optimizer's transformed groups at the views.
-
-        Args:
-            transform: The transform, or ``None``.
-            selected: ``transformed_params``.
-            params: Each group's trainable parameters.
-            layouts: Their layouts.
-            shards: Every trainable parameter's shard (its name and layout), group by group.
-            masters: Every group's master partition on this rank.
-            rank: This rank's partition index.
-            param_groups: The inner optimizer's param groups, changed in place.
-            view_numel: As for the constructor.
-
-        Raises:
-            ConfigError: As `selected_groups`.
-        """
-        flags = selected_groups(params, selected, has_transform=transform is not None)
-        names: list[list[str]] = [[] for _ in params]
-        for shard in shards:
-            names[shard.group_index].append(shard.name)
-        full = cls(transform, flags, layouts, masters, names, rank, view_numel)
-        for g, param_group in enumerate(param_groups):
-            param_group["params"] = full.inner_params(g)
-        return full
-
-    def inner_params(self, group_index: int) -> list[torch.Tensor]:
-        """What the inner optimizer's param group ``group_index`` holds (no empty tensor)."""
-        return [view for view, lo, hi in self.views[group_index] if hi > lo]
-
-    def full_shape(self, param: object) -> tuple[int, ...] | None:
-        """The parameter's shape for a view of a transformed group, else ``None``."""
-        return self._shapes.get(id(param))
-
-    def apply(
-        self,
-        full_gradient: Callable[[int, ParamSlot], torch.Tensor],
-        grads: Sequence[torch.Tensor],
-        loss_scale: float,
-        param_groups: Sequence[Mapping[str, Any]],
-    ) -> None:
-        """Replace every transformed piece of ``grads`` by the transform's update.
-
-        The partitions stay loss-scaled (the update is multiplied back), so unscaling,
-        the norm and clipping treat them like every other gradient afterwards.
-
-        Args:
-            full_gradient: ``(group index, slot) ->`` the full reduced, loss-scaled gradient.
-            grads: This rank's fp32 gradient partitions, changed in place.
-            loss_scale: The factor the loss was multiplied by.
-            param_groups: The inner optimizer's param groups.
+    def update(
+        self, name: str, grad: torch.Tensor, loss_scale: float, group: Mapping[str, Any]
+    ) -> torch.Tensor:
+        """The transform's update of one parameter from its full, loss-scaled gradient.
 
         Raises:
             ConfigError: The transform returned a tensor of another shape.
         """
-        transform = self._transform
-        for t in self._targets:
-            assert transform is not None, "targets exist only with a transform"
-            grad = full_gradient(t.group_index, t.slot)
-            if loss_scale != 1.0:
-                grad = grad / loss_scale
-            update = transform(grad, self._buffer(t.name, grad), param_groups[t.group_index])
-            if tuple(update.shape) != t.slot.shape:
-                raise ConfigError(
-                    f"full_grad_transform returned shape {tuple(update.shape)} for parameter "
-                    f"{t.name!r} of shape {t.slot.shape}; it must return the update in the "
-                    "gradient's shape"
-                )
-            dest = grads[t.group_index][t.local_offset : t.local_stop]
-            dest.copy_(update.reshape(-1)[t.flat_start : t.flat_stop])
-            if loss_scale != 1.0:
-                dest.mul_(loss_scale)
+        assert self._transform is not None, "update is called only for transformed parameters"
+        if loss_scale != 1.0:
+            grad = grad / loss_scale
+        update = self._transform(grad, self._buffer(name, grad), group)
+        shape = self._shapes[name]
+        if tuple(update.shape) != shape:
+            raise ConfigError(
+                f"full_grad_transform returned shape {tuple(update.shape)} for parameter "
+                f"{name!r} of shape {shape}; it must return the update in the gradient's shape"
+            )
+        return update
+
+    @staticmethod
+    def write(
+        dest: torch.Tensor, update: torch.Tensor, flat: tuple[int, int], loss_scale: float
+    ) -> None:
+        """Copy the elements ``flat`` of ``update`` into ``dest``, loss-scaled again."""
+        dest.copy_(update.reshape(-1)[flat[0] : flat[1]])
+        if loss_scale != 1.0:
+            dest.mul_(loss_scale)
 
     def _buffer(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         buffer = self.buffers.get(name)
@@ -270,6 +171,10 @@ class FullGradTransforms:
             buffer = buffer.to(dtype=grad.dtype, device=grad.device)
         self.buffers[name] = buffer
         return buffer
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The live buffers."""
+        return list(self.buffers.values())
 
     def nbytes(self) -> int:
         """Bytes of the buffers on this rank."""
@@ -286,13 +191,11 @@ class FullGradTransforms:
             CheckpointError: A buffer for a parameter this rank does not transform, or of
                 another shape.
         """
-        expected = {t.name: t.slot.shape for t in self._targets}
         for name, saved in state.items():
-            if name not in expected or tuple(saved.shape) != expected[name]:
+            if name not in self._shapes or tuple(saved.shape) != self._shapes[name]:
                 raise CheckpointError(
-                    f"ZeRO state dict has a full-gradient buffer for {name!r} of shape "
-                    f"{tuple(saved.shape)}, which this rank does not transform (its transformed "
-                    f"parameters: {sorted(expected)}); load it into the same model, optimizer "
-                    "and data-parallel layout"
+                    f"ZeRO state dict has a full-gradient buffer (full_grad_buffers) for {name!r} "
+                    f"of shape {tuple(saved.shape)}, which this rank does not transform (its "
+                    f"transformed parameters: {sorted(self._shapes)}); {self._hint}"
                 )
         self.buffers = {name: saved.detach().clone() for name, saved in state.items()}

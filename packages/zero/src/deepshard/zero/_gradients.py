@@ -19,12 +19,9 @@ reductions overlap with the rest of backward.
 
 Buckets whose parameters got no gradient are reduced at the end of the pass with zeros there.
 
-*Full groups* (param groups under a full-gradient transform, see `deepshard.zero._full_grads`)
-need every owner of a parameter piece to see the parameter's whole reduced gradient. Their
-buckets are all-reduced instead of reduce-scattered, once, during the boundary's backward, and
-the reduced bucket stays in a full buffer (`GradientStore.full_gradient`) from which this rank's
-chunk is copied into its partition: at stage 1 the accumulation buffer itself; at stage 2 a full
-buffer that, for these groups only, accumulates the micro-steps locally as stages 0-1 do.
+These stores see only ordinary param groups: the groups under a full-gradient transform (Muon)
+have a store of their own, `deepshard.zero._full_grad_store.FullGroupGradients`, and
+`deepshard.zero._full_grad_store.SplitGradients` routes each group to its store.
 """
 
 from __future__ import annotations
@@ -65,8 +62,6 @@ class StoreSettings:
         logger: Records every collective.
         param_positions: Each trainable parameter's index in the model's registration order,
             per group; decides the launch order (see `launch_order`).
-        full_groups: Indices of the param groups whose buckets are all-reduced whole at the
-            boundary (see the module docstring).
     """
 
     device: torch.device
@@ -76,7 +71,6 @@ class StoreSettings:
     accum_dtype: torch.dtype | None = None
     logger: CommsLogger | None = None
     param_positions: tuple[tuple[int, ...], ...] | None = None
-    full_groups: frozenset[int] = frozenset()
 
 
 def launch_order(
@@ -161,9 +155,17 @@ class GradientStore(ABC):
         """Every gradient tensor this store holds right now."""
 
     @abstractmethod
-    def full_gradient(self, group_index: int, slot: ParamSlot) -> torch.Tensor:
-        """After a boundary pass, the whole reduced gradient of a parameter of a full group (or
-        of any group at stage 0), in the accumulation dtype and the parameter's shape."""
+    def grad_partition(self, group_index: int) -> torch.Tensor | None:
+        """The group's reduced gradient laid out like its master partition, if it exists now."""
+
+    @abstractmethod
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors held now by ``offload_states`` type (``lp_grads``: the partitions,
+        ``contiguous_grad_buffer``: full or staging buffers)."""
+
+    def missing(self) -> list[tuple[BucketKey, int]]:
+        """Buckets and how many of their parameters got no gradient in this pass."""
+        return self.scheduler.missing()
 
     def finish(self) -> None:
         """End the pass: reduce what is left and wait for every reduction."""
@@ -172,27 +174,6 @@ class GradientStore(ABC):
     def nbytes(self) -> int:
         """Bytes of gradient storage this rank holds right now."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
-
-    def _reduce_full(
-        self, key: BucketKey, buffer: torch.Tensor, target: torch.Tensor, *, async_op: bool
-    ) -> Finish:
-        """All-reduce one bucket of a full group in ``buffer``, then copy this rank's chunk of it
-        into ``target``."""
-        g, b = key
-        layout = self.layouts[g]
-        bucket = layout.buckets[b]
-        view = buffer[bucket.start : bucket.stop]
-        pending = self._reduce(view.to(self.comm_dtypes[g]), scatter=False, async_op=async_op)
-        chunk = layout.chunk_numel(bucket)
-        lo = layout.chunk_start(bucket, self.rank if layout.world_size > 1 else 0) - bucket.start
-
-        def finish() -> None:
-            result = pending.wait()
-            if result is not view:
-                view.copy_(result)
-            target.copy_(view[lo : lo + chunk])
-
-        return finish
 
     def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.settings.device)
@@ -264,8 +245,6 @@ class AccumulatedGradients(GradientStore):
             assert self.partitions is not None, "begin(boundary=True) allocates the partitions"
             chunk = layout.chunk_numel(bucket)
             target = self.partitions[g][bucket.local_start : bucket.local_start + chunk]
-            if g in self.settings.full_groups:
-                return self._reduce_full(key, self.buffers[g], target, async_op=True)
         comm = view.to(self.comm_dtypes[g])  # the view itself when the dtypes agree
         if not self.partitioned:
             target = view
@@ -295,9 +274,13 @@ class AccumulatedGradients(GradientStore):
     def tensors(self) -> list[torch.Tensor]:
         return self.buffers + (self.partitions or [])
 
-    def full_gradient(self, group_index: int, slot: ParamSlot) -> torch.Tensor:
-        assert not self.partitioned or group_index in self.settings.full_groups, "not reduced whole"
-        return self.buffers[group_index][slot.offset : slot.stop].view(slot.shape)
+    def grad_partition(self, group_index: int) -> torch.Tensor | None:
+        if not self.partitioned:
+            return self.buffers[group_index]
+        return None if self.partitions is None else self.partitions[group_index]
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"lp_grads": list(self.partitions or []), "contiguous_grad_buffer": self.buffers}
 
 
 class PartitionedGradients(GradientStore):
@@ -325,22 +308,11 @@ class PartitionedGradients(GradientStore):
             for layout, dtype in zip(self.layouts, self.accum_dtypes, strict=True)
         ]
         self.staging: dict[BucketKey, torch.Tensor] = {}
-        self.full_buffers = {
-            g: self._zeros(self.layouts[g].numel, self.accum_dtypes[g])
-            for g in sorted(settings.full_groups)
-        }
-        self.boundary = False
 
     def begin(self, *, boundary: bool) -> None:
         self.scheduler.begin(reducing=True)
-        self.boundary = boundary
 
     def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
-        full = self.full_buffers.get(group_index)
-        if full is not None:
-            full[slot.offset : slot.stop].add_(grad.reshape(-1))
-            self.scheduler.arrived((group_index, slot.bucket), slot.index)
-            return
         key = (group_index, slot.bucket)
         bucket = self.layouts[group_index].buckets[slot.bucket]
         staging = self.staging.get(key)
@@ -357,11 +329,6 @@ class PartitionedGradients(GradientStore):
         bucket = layout.buckets[b]
         start = bucket.local_start
         target = self.accumulators[g][start : start + layout.chunk_numel(bucket)]
-        full = self.full_buffers.get(g)
-        if full is not None:  # accumulated locally; reduced once, at the boundary
-            if not self.boundary:
-                return lambda: None
-            return self._reduce_full(key, full, target, async_op=self.overlap)
         staging = self.staging.pop(key, None)
         if staging is None:  # no parameter of the bucket got a gradient in this pass
             staging = self._zeros(bucket.numel, self.comm_dtypes[g])
@@ -376,12 +343,16 @@ class PartitionedGradients(GradientStore):
         return [_fp32(acc) for acc in self.accumulators]
 
     def clear(self) -> None:
-        for acc in (*self.accumulators, *self.full_buffers.values()):
+        for acc in self.accumulators:
             acc.zero_()
         self.staging.clear()
 
     def tensors(self) -> list[torch.Tensor]:
-        return self.accumulators + list(self.full_buffers.values()) + list(self.staging.values())
+        return self.accumulators + list(self.staging.values())
 
-    def full_gradient(self, group_index: int, slot: ParamSlot) -> torch.Tensor:
-        return self.full_buffers[group_index][slot.offset : slot.stop].view(slot.shape)
+    def grad_partition(self, group_index: int) -> torch.Tensor | None:
+        return self.accumulators[group_index]
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        staging = list(self.staging.values())
+        return {"lp_grads": list(self.accumulators), "contiguous_grad_buffer": staging}

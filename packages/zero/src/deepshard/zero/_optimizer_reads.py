@@ -13,10 +13,10 @@ import torch
 from deepshard.zero.reduction import GradientReduction
 
 if TYPE_CHECKING:
+    from deepshard.interface import FullGradientPath
     from deepshard.interface.config import ZeroConfig
     from deepshard.zero._flat_params import FlatParams
-    from deepshard.zero._full_grads import FullGradTransforms
-    from deepshard.zero._gradients import GradientStore
+    from deepshard.zero._full_grad_store import SplitGradients
 
 __all__ = ["ZeroReads"]
 
@@ -26,10 +26,10 @@ class ZeroReads:
 
     config: ZeroConfig
     inner: torch.optim.Optimizer
-    _full: FullGradTransforms
+    _full: FullGradientPath
     _masters: list[torch.Tensor]
     _flat: list[FlatParams]
-    _store: GradientStore
+    _store: SplitGradients
     _partitions: int
     _partition_rank: int
 

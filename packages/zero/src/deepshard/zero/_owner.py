@@ -19,24 +19,14 @@ import torch
 
 from deepshard.interface import ShardMap, ShardPiece
 from deepshard.interface.errors import ConfigError
-from deepshard.zero._gradients import AccumulatedGradients, GradientStore, PartitionedGradients
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:
+    from deepshard.zero._full_grad_store import SplitGradients
     from deepshard.zero._passes import BackwardPasses
     from deepshard.zero.access import StateKind
 
 __all__ = ["ZeroPartitionAccess"]
-
-
-def _grad_partition(store: GradientStore, group_index: int) -> torch.Tensor | None:
-    """The reduced gradient of a group laid out like its master partition, if it exists now."""
-    if isinstance(store, AccumulatedGradients):
-        if not store.partitioned:
-            return store.buffers[group_index]
-        return None if store.partitions is None else store.partitions[group_index]
-    assert isinstance(store, PartitionedGradients), "a gradient store of a known stage"
-    return store.accumulators[group_index]
 
 
 class ZeroPartitionAccess:
@@ -47,7 +37,7 @@ class ZeroPartitionAccess:
     _params: list[list[torch.nn.Parameter]]
     _masters: list[torch.Tensor]
     _shards: tuple[ParamShard, ...]
-    _store: GradientStore
+    _store: SplitGradients
     _passes: BackwardPasses
     _group: torch.distributed.ProcessGroup
     check_resident: Callable[[str], None]
@@ -106,7 +96,7 @@ class ZeroPartitionAccess:
         if kind == "fp32":
             return [self._masters[g][lo:hi] for lo, hi in spans]
         if kind == "grad":
-            grads = _grad_partition(self._store, g) if self._passes.ready else None
+            grads = self._store.grad_partition(g) if self._passes.ready else None
             return None if grads is None else [grads[lo:hi] for lo, hi in spans]
         return [view for lo, hi in spans for view in self._state_slices(g, lo, hi, key)]
 

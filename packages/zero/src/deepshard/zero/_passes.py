@@ -24,7 +24,7 @@ import torch
 from torch.autograd import Variable
 
 from deepshard.interface.errors import CommError, ConfigError
-from deepshard.zero._gradients import GradientStore
+from deepshard.zero._full_grad_store import SplitGradients
 from deepshard.zero.layout import FlatLayout, ParamSlot
 
 __all__ = ["BackwardPasses"]
@@ -39,7 +39,7 @@ class BackwardPasses:
             pass in which some parameter got no gradient is an error.
     """
 
-    def __init__(self, store: GradientStore, *, ignore_unused_parameters: bool) -> None:
+    def __init__(self, store: SplitGradients, *, ignore_unused_parameters: bool) -> None:
         self._store = store
         self._ignore_unused = ignore_unused_parameters
         self.boundary = True
@@ -154,7 +154,7 @@ class BackwardPasses:
     def _end(self) -> None:
         self._open = False
         self._store.finish()
-        missing = sum(count for _, count in self._store.scheduler.missing())
+        missing = sum(count for _, count in self._store.missing())
         if missing and not self._ignore_unused:
             raise ConfigError.from_problems(
                 [

@@ -16,7 +16,8 @@ Every rank computes the same update from the same gathered gradient, so the piec
 Buffers are kept only for matrices the rank holds a piece of (about ``1/W`` of them, plus the
 matrices straddling a chunk boundary), saved in ``state_dict`` by parameter name. The overflow
 check runs before the gather (`deepshard.zero._step.checked_norm`), so a skipped step leaves
-the momentum untouched.
+the momentum untouched. `Stage3FullGrads` is stage 3's `deepshard.interface.FullGradientPath`;
+the buffers are `deepshard.zero._full_grads.TransformBuffers`, as at stages 0-2.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from typing import Any
 import torch
 
 from deepshard.comm import CommsLogger, all_gather_into_tensor
-from deepshard.interface.errors import CheckpointError, ConfigError
-from deepshard.zero._full_grads import FullGradTransform, selected_groups
+from deepshard.zero._full_grads import FullGradTransform, TransformBuffers, selected_groups
 from deepshard.zero._sharded import ShardedModule
 
 __all__ = ["Stage3FullGrads"]
@@ -79,7 +79,9 @@ class Stage3FullGrads:
     ) -> None:
         params = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
         flags = selected_groups(params, selected, has_transform=transform is not None)
-        self._transform, self._sharded, self._logger = transform, sharded, logger
+        self._sharded, self._logger = sharded, logger
+        self.groups = tuple(g for g, flag in enumerate(flags) if flag)
+        """Indices of the inner optimizer's param groups this path owns."""
         chosen = [(g, p) for g, group in enumerate(params) if flags[g] for p in group]
         self._targets: list[_Target] = []
         units: set[int] = set()
@@ -96,8 +98,9 @@ class Stage3FullGrads:
                 )  # fmt: skip
         self.units = tuple(sorted(units))
         """Units whose gradients are gathered at each step (the same on every rank)."""
-        self.buffers: dict[str, torch.Tensor] = {}
-        """The transform's persistent buffer of every target, by parameter name."""
+        shapes = {t.name: t.shape for t in self._targets}
+        hint = "load it into the same model, optimizer and world size (stage 3)"
+        self._buffers = TransformBuffers(transform, shapes, hint)
 
     @property
     def active(self) -> bool:
@@ -121,26 +124,14 @@ class Stage3FullGrads:
         Raises:
             ConfigError: The transform returned a tensor of another shape.
         """
-        transform = self._transform
         for unit in self.units:
             full = self._gather(unit)
             for t in (t for t in self._targets if t.unit == unit):
-                assert transform is not None, "targets exist only with a transform"
                 grad = full[t.offset : t.offset + t.numel].view(t.shape)
-                if loss_scale != 1.0:
-                    grad = grad / loss_scale
-                update = transform(grad, self._buffer(t.name, grad), param_groups[t.group_index])
-                if tuple(update.shape) != t.shape:
-                    raise ConfigError(
-                        f"full_grad_transform returned shape {tuple(update.shape)} for "
-                        f"parameter {t.name!r} of shape {t.shape}; it must return the update "
-                        "in the gradient's shape"
-                    )
-                stop = t.local_offset + t.flat_stop - t.flat_start
-                dest = grads[unit][t.local_offset : stop]
-                dest.copy_(update.reshape(-1)[t.flat_start : t.flat_stop])
-                if loss_scale != 1.0:
-                    dest.mul_(loss_scale)
+                group = param_groups[t.group_index]
+                update = self._buffers.update(t.name, grad, loss_scale, group)
+                dest = grads[unit][t.local_offset : t.local_offset + t.flat_stop - t.flat_start]
+                self._buffers.write(dest, update, (t.flat_start, t.flat_stop), loss_scale)
 
     def _gather(self, unit: int) -> torch.Tensor:
         """The unit's whole reduced gradient, flat, in the accumulation dtype."""
@@ -157,37 +148,27 @@ class Stage3FullGrads:
         )
         return handle.wait()
 
-    def _buffer(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        buffer = self.buffers.get(name)
-        if buffer is None:
-            buffer = torch.zeros_like(grad, memory_format=torch.contiguous_format)
-        elif buffer.dtype != grad.dtype or buffer.device != grad.device:
-            buffer = buffer.to(dtype=grad.dtype, device=grad.device)
-        self.buffers[name] = buffer
-        return buffer
+    def full_shape(self, param: object) -> tuple[int, ...] | None:
+        """Stage 3's masters are flat views whose gradient is the finished update: ``None``."""
+        return None
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The transform's persistent buffer of every target used so far, by parameter name."""
+        return self._buffers.buffers
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The live buffers."""
+        return self._buffers.tensors()
 
     def nbytes(self) -> int:
         """Bytes of the buffers on this rank."""
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return self._buffers.nbytes()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The buffers by parameter name (copies)."""
-        return {name: buffer.detach().clone() for name, buffer in self.buffers.items()}
+        return self._buffers.state_dict()
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore `state_dict`.
-
-        Raises:
-            CheckpointError: A buffer for a parameter this rank does not transform, or of
-                another shape.
-        """
-        expected = {t.name: t.shape for t in self._targets}
-        for name, saved in state.items():
-            if name not in expected or tuple(saved.shape) != expected[name]:
-                raise CheckpointError(
-                    f"ZeRO stage-3 state dict has a full-gradient buffer for {name!r} of shape "
-                    f"{tuple(saved.shape)}, which this rank does not transform (its transformed "
-                    f"parameters: {sorted(expected)}); load it into the same model, optimizer "
-                    "and world size"
-                )
-        self.buffers = {name: saved.detach().clone() for name, saved in state.items()}
+        """Restore `state_dict` (see `TransformBuffers.load_state_dict`)."""
+        self._buffers.load_state_dict(state)

@@ -20,7 +20,7 @@ import torch
 from deepshard.interface.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from deepshard.zero._full_grads import FullGradTransforms
+    from deepshard.interface import FullGradientPath
     from deepshard.zero._offload import HostOffload
     from deepshard.zero.optimizer import ZeroOptimizer
 
@@ -38,7 +38,7 @@ def _layout_header(optimizer: ZeroOptimizer) -> dict[str, Any]:
 
 
 def partitioned_state(
-    optimizer: ZeroOptimizer, full: FullGradTransforms, offload: HostOffload | None
+    optimizer: ZeroOptimizer, full: FullGradientPath, offload: HostOffload | None
 ) -> dict[str, Any]:
     """This rank's state: layout header, master partitions, the inner and offload state."""
     state = {
@@ -55,7 +55,7 @@ def partitioned_state(
 
 def load_partitioned_state(
     optimizer: ZeroOptimizer,
-    full: FullGradTransforms,
+    full: FullGradientPath,
     offload: HostOffload | None,
     state: dict[str, Any],
 ) -> None:

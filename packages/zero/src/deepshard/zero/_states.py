@@ -43,11 +43,11 @@ import torch
 
 from deepshard.accelerators import get_accelerator
 from deepshard.interface.errors import CommError, ConfigError
-from deepshard.zero._gradients import AccumulatedGradients, GradientStore, PartitionedGradients
 
 if TYPE_CHECKING:
+    from deepshard.interface import FullGradientPath
     from deepshard.zero._flat_params import FlatParams
-    from deepshard.zero._full_grads import FullGradTransforms
+    from deepshard.zero._full_grad_store import SplitGradients
     from deepshard.zero._passes import BackwardPasses
 
 __all__ = ["OFFLOAD_STATE_TYPES", "OffloadReport", "StateOffload", "normalize_include"]
@@ -119,16 +119,6 @@ def _check_device(device: object) -> None:
         )
 
 
-def gradient_tensors(store: GradientStore) -> dict[str, list[torch.Tensor]]:
-    """The gradient tensors a store holds now, by state type (``lp_grads``,
-    ``contiguous_grad_buffer``)."""
-    if isinstance(store, AccumulatedGradients):
-        return {"lp_grads": list(store.partitions or []), "contiguous_grad_buffer": store.buffers}
-    assert isinstance(store, PartitionedGradients), "a gradient store of a known stage"
-    buffers = [*store.full_buffers.values(), *store.staging.values()]
-    return {"lp_grads": list(store.accumulators), "contiguous_grad_buffer": buffers}
-
-
 def _pageable(nbytes: int, *, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(nbytes, dtype=dtype)
 
@@ -170,8 +160,8 @@ class StateOffload:
     _flat: list[FlatParams]
     _params: list[list[torch.nn.Parameter]]
     _masters: list[torch.Tensor]
-    _store: GradientStore
-    _full: FullGradTransforms
+    _store: SplitGradients
+    _full: FullGradientPath
     _device: torch.device
     _passes: BackwardPasses
     _offloaded: dict[str, list[_Released]]
@@ -201,12 +191,12 @@ class StateOffload:
         if name == "optim_states":
             inner = [v for s in self.inner.state.values() for v in s.values()]
             tensors = [t for t in inner if isinstance(t, torch.Tensor)]
-            return tensors + list(self._full.buffers.values())
+            return tensors + self._full.tensors()
         if name == "hp_params":
             return list(self._masters)
         if name == "lp_params":
             return [flat.buffer for flat in self._flat]
-        return gradient_tensors(self._store)[name]
+        return self._store.state_tensors()[name]
 
     def offload_states(
         self,

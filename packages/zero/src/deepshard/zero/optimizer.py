@@ -26,8 +26,10 @@ What happens to a model under data parallelism over a group of ``W`` ranks:
 
 A *full-gradient transform* (Muon's Newton–Schulz) sees the whole reduced gradient of every
 parameter of the param groups it is given, at the step, before the norm; its update replaces
-the gradient (`deepshard.zero._full_grads`), and `full_shape` tells the inner optimizer the
-real shape of what it steps (`deepshard.interface.ParamShapes`).
+the gradient (`deepshard.zero._full_grads`). Those groups are a full-gradient path of their own
+(`deepshard.interface.FullGradientPath`, `deepshard.zero._full_grad_path`) with its own gradient
+store; the ordinary store never sees them. `full_shape` tells the inner optimizer the real shape
+of what it steps (`deepshard.interface.ParamShapes`).
 
 Loss scaling, the accumulation counter and the forward pass belong to the caller (the engine):
 it declares which backward pass ends an accumulation cycle (`ZeroOptimizer.set_boundary`, or
@@ -48,7 +50,9 @@ from deepshard.interface import PlacementRegistry
 from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._flat_params import flatten_param_groups
-from deepshard.zero._full_grads import FullGradTransform, FullGradTransforms
+from deepshard.zero._full_grad_path import FullGroupsPath, StoreChoice
+from deepshard.zero._full_grad_store import SplitGradients, local_settings
+from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._gradients import (
     AccumulatedGradients,
     GradientStore,
@@ -122,6 +126,8 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
         CommError: ``group`` is a mesh with more than one axis, or not a group.
     """
 
+    _full: FullGroupsPath
+
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ZeroOptimizer:
         """``ZeroOptimizer(inner, sharded_module)`` is stage 3 (`deepshard.zero.shard`)."""
         if cls is ZeroOptimizer and args and isinstance(args[0], ShardedModule):
@@ -182,20 +188,6 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
         names = param_names(self._params, named)
         where = resolve_placements(self._group, self._params, names, placements)
         self._shards = param_shards(self.layouts, names, where)
-        self._full = FullGradTransforms.build(
-            full_grad_transform,
-            selected,
-            params=self._params,
-            layouts=self.layouts,
-            shards=self._shards,
-            masters=self._masters,
-            rank=self._partition_rank,
-            param_groups=optimizer.param_groups,
-            view_numel=master_view_numel(optimizer, transformed=full_grad_transform is not None),
-        )
-        self._offload = build_offload(self.config, optimizer, self._masters, self._flat, aio)
-        if self._offload is not None:  # host masters: the device keeps a compute-dtype copy
-            self._masters, self._full.views = self._offload.device_partitions, self._offload.views
         settings = StoreSettings(
             self._device,
             self._group,
@@ -204,8 +196,23 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
             accum_dtype=grad_accum_dtype,
             logger=comms_logger,
             param_positions=registration_positions(self._params, named),
-            full_groups=frozenset(g for g, flag in enumerate(self._full.flags) if flag),
         )
+        dtypes = tuple(flat.buffer.dtype for flat in self._flat)
+        self._full = FullGroupsPath.build(
+            full_grad_transform,
+            selected,
+            params=self._params,
+            layouts=self.layouts,
+            shards=self._shards,
+            masters=self._masters,
+            rank=self._partition_rank,
+            param_groups=optimizer.param_groups,
+            store=StoreChoice(settings, dtypes, self.config.stage, self.config.overlap_comm),
+            view_numel=master_view_numel(optimizer, transformed=full_grad_transform is not None),
+        )
+        self._offload = build_offload(self.config, optimizer, self._masters, self._flat, aio)
+        if self._offload is not None:  # host masters: the device keeps a compute-dtype copy
+            self._masters, self._full.views = self._offload.device_partitions, self._offload.views
         self._store = self._build_store(settings)
         self._passes = BackwardPasses(
             self._store, ignore_unused_parameters=self.config.ignore_unused_parameters
@@ -216,13 +223,20 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
 
     # --- construction -------------------------------------------------------------------
 
-    def _build_store(self, settings: StoreSettings) -> GradientStore:
-        dtypes = [flat.buffer.dtype for flat in self._flat]
+    def _build_store(self, settings: StoreSettings) -> SplitGradients:
+        """The ordinary groups' store behind a router that also reaches the full groups'."""
+        ordinary = [g for g, flag in enumerate(self._full.flags) if not flag]
+        layouts = [self.layouts[g] for g in ordinary]
+        dtypes = [self._flat[g].buffer.dtype for g in ordinary]
+        own = local_settings(settings, ordinary)
+        store: GradientStore
         if self.config.stage == 2:
             overlap = self.config.overlap_comm
-            return PartitionedGradients(self.layouts, dtypes, settings, overlap=overlap)
-        partitioned = self.config.stage == 1
-        return AccumulatedGradients(self.layouts, dtypes, settings, partitioned=partitioned)
+            store = PartitionedGradients(layouts, dtypes, own, overlap=overlap)
+        else:
+            partitioned = self.config.stage == 1
+            store = AccumulatedGradients(layouts, dtypes, own, partitioned=partitioned)
+        return SplitGradients(store, self._full.store, self._full.flags)
 
     # --- backward passes ----------------------------------------------------------------
 
@@ -310,10 +324,9 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
             self.config.compute_grad_norm, self.norm_type, group, self._device, self._logger
         )
         transform = None
-        if any(self._full.flags):
-            apply = self._full.apply
-            args = (self._store.full_gradient, grads, loss_scale, self.inner.param_groups)
-            transform = functools.partial(apply, *args)
+        if self._full.active:
+            args = (grads, loss_scale, self.inner.param_groups)
+            transform = functools.partial(self._full.apply, *args)
         norm, overflow = checked_norm(grads, loss_scale, norm_settings, transform)
         if not overflow:
             factor = scale_factor(norm, clip=self.gradient_clipping, loss_scale=loss_scale)

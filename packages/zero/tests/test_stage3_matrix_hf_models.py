@@ -17,6 +17,13 @@ rank) and loads the reference's weights inside ``GatheredParameters(modifier_ran
 only, so the broadcast of rank 0's change is what the other rank trains with. The odd-sized MLP
 (no ``post_init``) is built under ``Init`` directly and must need no such help.
 
+The 20-step runs are fp32: over 20 bf16 steps the trajectories of any two data-parallel runs
+part (rounding the updated masters to bf16 flips last bits that the next steps amplify; stage 1
+reported norms up to 9% off the reference's on Qwen3, stage 3 with and without offload alike),
+so the bf16 tolerances below hold only for short runs, which is where the other tests use them.
+The param groups are chosen by name (`param_groups`): under stage 3 a parameter's own
+``dim()`` is that of its empty ``.data``.
+
 Tolerances are the existing stage-3 tests': fp32 losses and reported norms 1e-5 relative and
 parameters, per tensor, ``||p - p_ref|| <= 1e-4 · ||p_init - p_ref||`` (the Qwen3 test's: Adam
 turns last-ulp reduction-order differences of near-zero gradients into visible steps of single
@@ -46,9 +53,9 @@ RUNS = [
     ("llama", "init-build", "none", "none", BF16, 4, 5),
     ("llama", "shard", "cpu", "cpu", BF16, 4, 5),
     ("llama", "shard", "nvme", "nvme", BF16, 4, 5),
-    ("qwen3", "shard", "cpu", "cpu", BF16, 4, 20),
+    ("qwen3", "shard", "cpu", "cpu", BF16, 4, 5),
     ("qwen3", "shard", "nvme", "nvme", BF16, 4, 5),
-    ("qwen3", "init-module", "none", "none", F32, 4, 5),
+    ("qwen3", "init-module", "cpu", "none", F32, 4, 20),
     ("mlp", "init-build", "none", "none", F32, 4, 20),
 ]
 # stage 1 on Llama, compared with the stage-3 runs of the same (dtype, accumulation, steps)
@@ -196,7 +203,9 @@ def _stage1(mesh: Any, dtype: torch.dtype) -> tuple[Any, None, Any]:
     return model, None, zero
 
 
-def _train(name: str, built: tuple[Any, Any, Any], rank: int, ga: int, steps: int) -> dict:
+def _train(
+    name: str, built: tuple[Any, Any, Any], rank: int, ga: int, steps: int
+) -> dict[str, Any]:
     """The engine's loop: ``ga`` micro-steps per step, one `ZeroOptimizer.step`, the schedule."""
     model, sharded, zero = built
     scheduler = torch.optim.lr_scheduler.LambdaLR(zero, _training.lr_factor)
@@ -240,7 +249,13 @@ def _merged(per_rank: list[dict[Any, Any]], key: Any) -> dict[str, Any]:
     return {"losses": losses, "norms": results[0]["norms"], "params": results[0]["params"]}
 
 
-def _check(got: dict[str, Any], want: dict[str, Any], dtype: torch.dtype, init: list, key: Any):
+def _check(
+    got: dict[str, Any],
+    want: dict[str, Any],
+    dtype: torch.dtype,
+    init: list[torch.Tensor],
+    key: Any,
+) -> None:
     tol = 1e-5 if dtype == F32 else 2 * _stage3.BF16_U
     assert len(got["losses"]) == len(want["losses"]), key
     assert _stage3._rel(torch.tensor(got["losses"]), torch.tensor(want["losses"])) < tol, key
@@ -273,3 +288,4 @@ def test_stage3_matrix_llama_qwen3_init_offload_and_stage1(tmp_path: Path) -> No
         _check(stage1, refs[("llama", dtype, steps)], dtype, init, key)
         for run in (r for r in RUNS if r[0] == "llama" and r[4:] == (dtype, ga, steps)):
             _check(_merged(per_rank, run), stage1, dtype, init, (key, run))
+    assert list(root.iterdir()) == []  # the nvme runs' files are gone after close()

@@ -19,6 +19,7 @@ the swapper, through a finalizer) closes them and removes the directory.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import tempfile
@@ -54,7 +55,12 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The tensor's own memory as a writable byte buffer (any dtype, bf16 included)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("swap buffers must be contiguous host tensors")
-    return tensor.view(torch.uint8).numpy().data.cast("B")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    # ctypes over the tensor's own memory: no numpy (not a dependency); the caller keeps the
+    # tensor alive until its request is waited for (`Swapper.write`/`read` say so)
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _write_blocks(fd: int, data: memoryview, offset: int, blocks: list[tuple[int, int]]) -> None:

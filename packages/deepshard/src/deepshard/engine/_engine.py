@@ -55,7 +55,7 @@ from deepshard.engine._unsupported import refused_attribute_message
 from deepshard.engine.loss_scaler import LossScaler
 from deepshard.interface import BatchSizes, DeepShardConfig
 from deepshard.interface.errors import CommError, ConfigError
-from deepshard.zero import ZeroOptimizer, offload_saved_tensors
+from deepshard.zero import ShardedModule, Stage3Optimizer, ZeroOptimizer, offload_saved_tensors
 
 __all__ = ["DeepShardEngine", "EngineParts"]
 
@@ -352,9 +352,10 @@ class DeepShardEngine(EngineReads, EngineStates, EngineCompile, torch.nn.Module)
     # --- weights out ----------------------------------------------------------------------
 
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
-        """The module's ``state_dict()`` (live tensors), without frozen parameters when asked."""
+        """The module's ``state_dict()`` without frozen parameters when asked: live tensors at
+        stages 0-2; at stage 3 gathered copies (every rank must call it)."""
         return _export.module_state_dict(
-            self.module, exclude_frozen_parameters=exclude_frozen_parameters
+            self.module, exclude_frozen_parameters=exclude_frozen_parameters, sharded=self._sharded
         )
 
     def save_16bit_model(
@@ -387,4 +388,10 @@ class DeepShardEngine(EngineReads, EngineStates, EngineCompile, torch.nn.Module)
             save_filename,
             world=self.parallel_dims.world,
             exclude_frozen_parameters=exclude_frozen_parameters,
+            sharded=self._sharded,
         )
+
+    @property
+    def _sharded(self) -> ShardedModule | None:
+        """The model side at ZeRO stage 3 (parameters partitioned), else None."""
+        return self.optimizer.sharded if isinstance(self.optimizer, Stage3Optimizer) else None

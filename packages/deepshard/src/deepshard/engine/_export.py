@@ -4,8 +4,9 @@ At ZeRO stages 0-2 every rank holds the whole model in its training dtype (only 
 optimizer state are partitioned), so nothing has to be gathered: rank 0 copies its module's
 ``state_dict()`` to the CPU and writes it; the other ranks build nothing and wait at a barrier, so
 the file exists on return everywhere. The tensors keep the module's dtypes: 16-bit under ``bf16``
-or ``fp16``, fp32 otherwise (DeepSpeed saves the module's state dict as it is, too). ZeRO-3
-(parameters partitioned) will gather them here when it lands.
+or ``fp16``, fp32 otherwise (DeepSpeed saves the module's state dict as it is, too). At ZeRO
+stage 3 the parameters are partitioned and empty between uses: every rank gathers them
+(`deepshard.zero.ShardedModule.gathered`) while rank 0 writes, then they are released.
 
 DeepShard never pickles, so the file is safetensors whatever name is asked for. The name rule:
 
@@ -23,6 +24,7 @@ and tied parameters are written under each of their names, so ``load_state_dict`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path, PurePath
 
@@ -32,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.comm import barrier
 from deepshard.interface.errors import ConfigError
+from deepshard.zero import ShardedModule
 
 __all__ = ["module_state_dict", "safetensors_filename", "save_16bit_model"]
 
@@ -63,9 +66,25 @@ def safetensors_filename(save_filename: str) -> str:
 
 
 def module_state_dict(
-    module: torch.nn.Module, *, exclude_frozen_parameters: bool = False
+    module: torch.nn.Module,
+    *,
+    exclude_frozen_parameters: bool = False,
+    sharded: ShardedModule | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The module's state dict (live tensors), without frozen parameters when asked."""
+    """The module's state dict, without frozen parameters when asked.
+
+    Live tensors at stages 0-2; at stage 3 (``sharded``) the parameters are gathered — a
+    collective every rank of the group must call — and copies of the whole tensors returned
+    (the live parameters are empty between uses).
+    """
+    if sharded is not None:
+        with sharded.gathered():
+            state = _state(module, exclude_frozen_parameters)
+            return {name: t.detach().clone() for name, t in state.items()}
+    return _state(module, exclude_frozen_parameters)
+
+
+def _state(module: torch.nn.Module, exclude_frozen_parameters: bool) -> dict[str, torch.Tensor]:
     state = module.state_dict()
     if exclude_frozen_parameters:
         for name, param in module.named_parameters():
@@ -85,16 +104,19 @@ def save_16bit_model(
     *,
     world: DeviceMesh,
     exclude_frozen_parameters: bool = False,
+    sharded: ShardedModule | None = None,
 ) -> Path:
     """Writes the module's weights as safetensors from rank 0; every rank must call it.
 
     Args:
-        module: The trained module (whole on every rank: ZeRO stages 0-2).
+        module: The trained module (whole on every rank at ZeRO stages 0-2).
         save_dir: The directory; created when missing.
         save_filename: The requested file name (see `safetensors_filename` for the rule).
         world: Every rank as one group (`ParallelDims.world`): its rank 0 writes, and all of
             it waits for the file.
         exclude_frozen_parameters: Leave out parameters with ``requires_grad=False``.
+        sharded: At ZeRO stage 3, the model side: every rank gathers the parameters while
+            rank 0 writes them.
 
     Returns:
         The path of the written file (on every rank).
@@ -103,11 +125,13 @@ def save_16bit_model(
         ConfigError: The file name is refused (on every rank, before any communication).
     """
     path = Path(save_dir) / safetensors_filename(save_filename)
-    if world.get_local_rank() == 0:
-        if path.name != PurePath(save_filename).name:
-            _log.warning("save_16bit_model: writing %s (safetensors, not a pickle)", path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = module_state_dict(module, exclude_frozen_parameters=exclude_frozen_parameters)
-        save_file(_cpu_copies(state), str(path), metadata=_METADATA)
+    whole = sharded.gathered() if sharded is not None else contextlib.nullcontext()
+    with whole:
+        if world.get_local_rank() == 0:
+            if path.name != PurePath(save_filename).name:
+                _log.warning("save_16bit_model: writing %s (safetensors, not a pickle)", path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            state = _state(module, exclude_frozen_parameters)
+            save_file(_cpu_copies(state), str(path), metadata=_METADATA)
     barrier(group=world)
     return path

@@ -19,7 +19,12 @@ import torch
 
 from deepshard.zero._flat_params import master_views
 from deepshard.zero._full_grad_store import FullGroupGradients, local_settings
-from deepshard.zero._full_grads import FullGradTransform, TransformBuffers, selected_groups
+from deepshard.zero._full_grads import (
+    BufferAccess,
+    FullGradTransform,
+    TransformBuffers,
+    selected_groups,
+)
 from deepshard.zero._gradients import StoreSettings
 from deepshard.zero._shards import ParamShard
 from deepshard.zero.layout import FlatLayout, ParamSlot
@@ -60,7 +65,7 @@ class _Target:
         return self.local_offset + self.flat_stop - self.flat_start
 
 
-class FullGroupsPath:
+class FullGroupsPath(BufferAccess):
     """The full groups of one `ZeroOptimizer` on one rank: their store, views and buffers.
 
     Args:
@@ -205,24 +210,3 @@ class FullGroupsPath:
             update = self._buffers.update(t.name, grad, loss_scale, group)
             dest = grads[t.group_index][t.local_offset : t.local_stop]
             self._buffers.write(dest, update, (t.flat_start, t.flat_stop), loss_scale)
-
-    @property
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The transform's persistent buffer of every target used so far, by parameter name."""
-        return self._buffers.buffers
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The live buffers."""
-        return self._buffers.tensors()
-
-    def nbytes(self) -> int:
-        """Bytes of the buffers on this rank."""
-        return self._buffers.nbytes()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The buffers by parameter name (copies)."""
-        return self._buffers.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore `state_dict` (see `TransformBuffers.load_state_dict`)."""
-        self._buffers.load_state_dict(state)

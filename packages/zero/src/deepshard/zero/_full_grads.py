@@ -57,7 +57,7 @@ import torch
 
 from deepshard.interface.errors import CheckpointError, ConfigError
 
-__all__ = ["FullGradTransform", "TransformBuffers", "selected_groups"]
+__all__ = ["BufferAccess", "FullGradTransform", "TransformBuffers", "selected_groups"]
 
 FullGradTransform: TypeAlias = Callable[
     [torch.Tensor, torch.Tensor, Mapping[str, Any]], torch.Tensor
@@ -199,3 +199,31 @@ class TransformBuffers:
                     f"transformed parameters: {sorted(self._shapes)}); {self._hint}"
                 )
         self.buffers = {name: saved.detach().clone() for name, saved in state.items()}
+
+
+class BufferAccess:
+    """What a full-gradient path reports about its `TransformBuffers` (shared by the stage 0-2
+    path and stage 3's, which both keep theirs as ``_buffers``)."""
+
+    _buffers: TransformBuffers
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The transform's persistent buffer of every target used so far, by parameter name."""
+        return self._buffers.buffers
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The live buffers."""
+        return self._buffers.tensors()
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers on this rank."""
+        return self._buffers.nbytes()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The buffers by parameter name (copies)."""
+        return self._buffers.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore `state_dict` (see `TransformBuffers.load_state_dict`)."""
+        self._buffers.load_state_dict(state)

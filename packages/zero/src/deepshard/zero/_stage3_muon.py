@@ -29,7 +29,12 @@ from typing import Any
 import torch
 
 from deepshard.comm import CommsLogger, all_gather_into_tensor
-from deepshard.zero._full_grads import FullGradTransform, TransformBuffers, selected_groups
+from deepshard.zero._full_grads import (
+    BufferAccess,
+    FullGradTransform,
+    TransformBuffers,
+    selected_groups,
+)
 from deepshard.zero._sharded import ShardedModule
 
 __all__ = ["Stage3FullGrads"]
@@ -54,7 +59,7 @@ class _Target:
         return int(torch.Size(self.shape).numel())
 
 
-class Stage3FullGrads:
+class Stage3FullGrads(BufferAccess):
     """The transformed matrices of one `Stage3Optimizer` on one rank.
 
     Args:
@@ -151,24 +156,3 @@ class Stage3FullGrads:
     def full_shape(self, param: object) -> tuple[int, ...] | None:
         """Stage 3's masters are flat views whose gradient is the finished update: ``None``."""
         return None
-
-    @property
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The transform's persistent buffer of every target used so far, by parameter name."""
-        return self._buffers.buffers
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The live buffers."""
-        return self._buffers.tensors()
-
-    def nbytes(self) -> int:
-        """Bytes of the buffers on this rank."""
-        return self._buffers.nbytes()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The buffers by parameter name (copies)."""
-        return self._buffers.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore `state_dict` (see `TransformBuffers.load_state_dict`)."""
-        self._buffers.load_state_dict(state)

@@ -12,7 +12,9 @@ has a shorter master than its partition), and:
   and the model's partition (read back whole through GatheredParameters);
 * in every run a GatheredParameters(modifier_rank=0) write reaches the masters (host, file or
   device), read back through ``master_partitions`` and the parameter's shard info;
-* Muon with optimizer offload is refused with a ConfigError naming ``offload_optimizer``.
+* Muon with NVMe optimizer offload is refused with a ConfigError naming
+  ``offload_optimizer.device`` (NVMe swaps CPU Adam's state only; Muon with ``cpu`` is
+  `test_stage3_muon_offload_matches_device`).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def _muon_refused(group: Any, root: str) -> str:
 
     model = _training.make_model()
     muon = _muon.make_muon(model)
-    _, sharded, config = _build(group, "cpu", "none", root, model=model)
+    _, sharded, config = _build(group, "nvme", "none", root, model=model)
     try:
         ZeroOptimizer(muon, sharded, config=config, full_grad_transform=_muon.muon_transform,
                       transformed_params=_muon.muon_params(muon))  # fmt: skip
@@ -175,6 +177,7 @@ def test_safe_get_and_set_read_and_write_the_host_masters(results: list[dict[Any
             torch.testing.assert_close(got["set_model"], value, rtol=0, atol=0)
 
 
-def test_muon_with_optimizer_offload_is_refused(results: list[dict[Any, Any]]) -> None:
+def test_muon_with_nvme_optimizer_offload_is_refused(results: list[dict[Any, Any]]) -> None:
     for rank_results in results:
+        assert "offload_optimizer.device" in rank_results["muon"]
         assert "offload_optimizer" in rank_results["muon"] and "Muon" in rank_results["muon"]

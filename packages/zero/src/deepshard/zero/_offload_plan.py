@@ -15,9 +15,10 @@ non-DeepShard class (DeepSpeed refuses client optimizers the same way) and ``dev
 
 **Refusals** (`offload_config_problems`, `offload_problems`), as ``(key path, message)`` like
 every ZeRO refusal: offload at stage 0 (nothing is partitioned, use stage 1), partial offload
-(``ratio`` below 1), ``super_offload``, ``sub_group_size`` 0, a full-gradient transform
-(Muon's Newton–Schulz runs on the device), an optimizer that only steps device tensors
-(``capturable=True``), and the two cases above. ``nvme`` without ``nvme_path`` and
+(``ratio`` below 1), ``super_offload``, ``sub_group_size`` 0, a full-gradient transform (Muon)
+below stage 3 (at stage 3 Newton–Schulz runs on the device on the whole reduced gradient and
+Muon itself steps the host masters, so ``device: "cpu"`` only, as for any non-Adam optimizer),
+an optimizer that only steps device tensors (``capturable=True``), and the two cases above. ``nvme`` without ``nvme_path`` and
 ``offload_param`` below stage 3 are refused by the config schema itself.
 """
 
@@ -214,9 +215,13 @@ def offload_problems(
     if device == "none":
         return []
     problems = []
-    if transformed:
+    if transformed and config.stage < 3:
         problems.append(
-            (_KEY, "Muon's Newton-Schulz step runs on the device; remove the offload section")
+            (
+                _KEY,
+                "Muon with optimizer offload runs at ZeRO stage 3 only (stages 1-2 keep its "
+                "full-gradient groups on the device); set stage 3 or remove the offload section",
+            )
         )
     if not isinstance(optimizer, torch.optim.Optimizer) or adam_rule(optimizer) is not None:
         return problems

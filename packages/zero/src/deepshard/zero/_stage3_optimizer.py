@@ -24,7 +24,8 @@ is left is the arithmetic of stages 0-2 on those partitions:
 
 With ``offload_optimizer`` the masters (still only the trainable prefixes) and moments live on
 the host or in files and step 2 runs on the host per sub-group (`deepshard.zero._stage3_offload`;
-Muon is refused there: its Newton-Schulz step runs on the device); the partitions themselves
+with Muon, step 3 still runs on the device first and Muon steps the host masters itself, so
+``device: "cpu"`` only); the partitions themselves
 may live on the host or in files too (``offload_param``, `deepshard.zero._param_offload`), and
 ``offload_states`` moves the stage-3 state types (`deepshard.zero._stage3_states`).
 """
@@ -83,7 +84,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         full_grad_transform: ``(grad, buffer, param_group) -> update`` on the whole reduced
             gradient of each of ``transformed_params`` once per step (Muon's ``muon_update``;
             see `deepshard.zero._stage3_muon`); it declares the inner optimizer element-wise
-            on what remains. Refused with ``offload_optimizer``.
+            on what remains. With ``offload_optimizer: cpu`` it still runs on the device.
         transformed_params: Whole param groups of ``optimizer`` to transform.
         aio: The ``aio`` section (NVMe optimizer offload).
         zero_force_ds_cpu_optimizer: With offload, refuse an optimizer stepped as itself on the

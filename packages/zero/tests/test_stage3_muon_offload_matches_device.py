@@ -17,7 +17,8 @@ must match the single-process Muon reference (`_muon_training.reference`, 1e-5 r
 offload (the same Muon arithmetic on other tensors: 1e-6). Where things live, from the tensors
 themselves: no fp32 master on the device, every tensor the inner Muon steps is a view of a host
 master partition (none of a unit partition), its auxiliary Adam state exists for every bias
-view and no ``use_muon`` view has state of its own, and Muon's momentum is kept per matrix the rank holds a piece of, as without offload.
+view and no ``use_muon`` view has state of its own, and Muon's momentum is kept per matrix
+the rank holds a piece of, as without offload.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ every ZeRO refusal: offload at stage 0 (nothing is partitioned, use stage 1), pa
 (``ratio`` below 1), ``super_offload``, ``sub_group_size`` 0, a full-gradient transform (Muon)
 below stage 3 (at stage 3 Newton–Schulz runs on the device on the whole reduced gradient and
 Muon itself steps the host masters, so ``device: "cpu"`` only, as for any non-Adam optimizer),
-an optimizer that only steps device tensors (``capturable=True``), and the two cases above. ``nvme`` without ``nvme_path`` and
-``offload_param`` below stage 3 are refused by the config schema itself.
+an optimizer that only steps device tensors (``capturable=True``), and the two cases above.
+``nvme`` without ``nvme_path`` and ``offload_param`` below stage 3 are refused by the config
+schema itself.
 """
 
 from __future__ import annotations

@@ -176,7 +176,11 @@ def test_bad_input_names_the_key_and_the_fix(tmp_path: Path) -> None:
         build_homes(missing, [4], torch.device("cpu"))
     assert "zero_optimization.offload_param.nvme_path" in str(caught.value)
     partial = ZeroConfig(stage=3, offload_optimizer={"device": "cpu", "ratio": 0.5})
-    keys = [key for key, _ in zero_problems(partial, gradient_clipping=1.0)]
-    assert keys == ["zero_optimization.offload_optimizer.ratio"]
+    assert zero_problems(partial, gradient_clipping=1.0) == []  # stage 3, cpu: supported
+    for stage, device in ((2, "cpu"), (3, "nvme")):
+        section = {"device": device, "ratio": 0.5, "nvme_path": str(tmp_path)}
+        other = ZeroConfig(stage=stage, offload_optimizer=section)
+        keys = [key for key, _ in zero_problems(other, gradient_clipping=1.0)]
+        assert keys == ["zero_optimization.offload_optimizer.ratio"], (stage, device)
     whole = ZeroConfig(stage=3, offload_optimizer={"device": "cpu"})
     assert zero_problems(whole, gradient_clipping=1.0) == []

@@ -4,7 +4,8 @@ With ``offload_optimizer`` (stages 1-3) a parameter's fp32 master and, when Deep
 Adam kernel steps, its ``exp_avg`` / ``exp_avg_sq`` are not on the device:
 
 * ``device: "cpu"`` (`HostState`): they are host buffers, whole per partition; the accessors get
-  views of them and write into them in place.
+  views of them and write into them in place (with a partial offload, the buffers' mirror of
+  the device sub-groups is refreshed first and read back after a write).
 * ``device: "nvme"`` (`NvmeState`): they are in files between steps. A getter reads the
   requested ranges into fresh host tensors (`NvmeState.read_range`); a setter writes what it
   put into those tensors back into the files (`NvmeState.write_range`, through `store`), so the
@@ -69,6 +70,7 @@ def offloaded_views(
     """
     state = offload.state
     if isinstance(state, HostState):
+        offload.mirror_device_share()  # partial offload: its device sub-groups, up to date
         tensor = state.whole()[STATE_NAMES.index(name)][group]
         return [tensor[lo:hi] for lo, hi in spans]
     return [state.read_range(group, name, lo, hi) for lo, hi in spans]
@@ -85,6 +87,7 @@ def store_offloaded(
     host buffers they were the buffers, so nothing is left to do."""
     state = offload.state
     if isinstance(state, HostState):
+        offload.reload_device_share()  # partial offload: its device sub-groups take the writes
         return
     for (lo, _), view in zip(spans, views, strict=True):
         state.write_range(group, name, lo, view)

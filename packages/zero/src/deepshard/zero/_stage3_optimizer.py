@@ -341,12 +341,15 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         """Bytes of inner-optimizer state (and full-gradient buffers) on this rank."""
         tensors = [v for s in self.inner.state.values() for v in s.values()]
         inner = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        return inner + self._transforms.nbytes()
+        share = None if self._offload is None else self._offload.device_share
+        moments = 0 if share is None else share.nbytes()[1]  # a partial offload's device moments
+        return inner + self._transforms.nbytes() + moments
 
     def master_bytes(self) -> int:
         """Bytes of fp32 masters beyond the partitions (an fp32 partition is its own master)."""
-        if self._offload is not None:
-            return 0  # on the host
+        if self._offload is not None:  # on the host, but for a partial offload's device share
+            share = self._offload.device_share
+            return 0 if share is None else share.nbytes()[0]
         pairs = zip(self._masters, self._own_master, strict=True)
         return sum(m.numel() * m.element_size() for m, own in pairs if own)
 

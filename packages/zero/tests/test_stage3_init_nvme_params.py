@@ -65,7 +65,7 @@ def _file(path: Path, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _construction(mesh: Any, root: str) -> dict[str, Any]:
-    from deepshard.zero import Init, sharded_module_of
+    from deepshard.zero import GatheredParameters, Init, sharded_module_of
 
     rank, pid = mesh.get_rank(), os.getpid()
     whole = [p.detach().reshape(-1) for p in _init_test.wide_mlp().parameters()]
@@ -89,6 +89,11 @@ def _construction(mesh: Any, root: str) -> dict[str, Any]:
         ]
         out["file_count"] = (len(files), len(whole))
         del slices
+        with GatheredParameters([model[0].weight], modifier_rank=0):  # read from, written to file
+            out["gathered_whole"] = torch.equal(model[0].weight.detach().reshape(-1), whole[0])
+            if rank == 0:
+                model[0].weight.data.fill_(0.5)
+        whole[0] = torch.full_like(whole[0], 0.5)  # rank 0's change is what every rank keeps
         exit_count.__enter__()  # the exit (units formed from the files) counted on its own
     exit_count.__exit__(None, None, None)
     out["peak"] = (build_count.peak, exit_count.peak)
@@ -166,7 +171,7 @@ def test_init_keeps_nvme_slices_in_files_and_trains_like_reference(tmp_path: Pat
         assert c["file_count"][0] == c["file_count"][1] and all(c["slice_files"])
         assert max(c["peak"]) <= 3 * largest < full // WORLD, c["peak"]
         assert c["left_init_dirs"] == [] and set(c["partition_storage"]) == {0}
-        assert all(c["weights"]) and c["home_files"]
+        assert all(c["weights"]) and c["home_files"] and c["gathered_whole"]
     refs = {dtype: _training.reference(dtype) for dtype in (F32, BF16)}
     for run in RUNS:
         opt, _, dtype, ga = run

@@ -16,8 +16,9 @@ device masters are exactly ``4 ×`` the device share's elements (``master_bytes`
 training, the host's Adam moments are still zero over every device sub-group (the host never
 stepped them) and not over the host ones, while the device share's moments are not. Then the
 host mirror is brought up to date by reading: ``safe_get_full_fp32_param`` of every parameter
-equals the gathered fp32 parameter exactly. At ratio 0.5 the state dict saved after training and
-loaded into a fresh run continues bit-identically for one more step.
+equals the gathered fp32 parameter exactly. At ratio 0.5 ``offload_states`` releases the device
+share's masters too, and after ``reload_states`` the state dict saved then and loaded into a
+fresh run continues bit-identically with the reloaded run for one more step.
 """
 
 from __future__ import annotations
@@ -128,7 +129,11 @@ def _train_all(mesh: Any, root: str) -> dict[Any, Any]:
         result["exact_reads"] = _exact_reads(model, sharded, zero) if run[1] == F32 else True
         with sharded.gathered():
             result["params"] = [p.detach().float().clone() for p in model.parameters()]
-        if run[0] == 0.5:
+        if run[0] == 0.5:  # offload_states moves the device share too, and back bit-exactly
+            zero.offload_states()
+            share = zero._offload.device_share
+            result["offloaded"] = [m.untyped_storage().nbytes() for m in share.masters]
+            zero.reload_states()
             saved = zero.state_dict()
             again, sharded2, zero2 = _build(group, run)
             zero2.load_state_dict(saved)
@@ -161,5 +166,6 @@ def test_partial_offload_splits_sub_groups_and_matches_reference(tmp_path: Path)
             assert where["device_stepped"], run
             assert rank_results[run]["exact_reads"], run
             if ratio == 0.5:
+                assert set(rank_results[run]["offloaded"]) == {0}
                 continued, resumed = rank_results[run]["resumed"]
                 assert all(torch.equal(a, b) for a, b in zip(continued, resumed, strict=True))

@@ -54,11 +54,22 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
         },
         "zero_optimization.compute_grad_norm",
     ),
-    "Muon with optimizer offload at stage 3": (
+    "Muon with NVMe optimizer offload at stage 3": (
         {
             **_BATCH,
             "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-2}},
-            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+            },
+        },
+        "zero_optimization.offload_optimizer.device",
+    ),
+    "Muon with optimizer offload below stage 3": (
+        {
+            **_BATCH,
+            "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-2}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
         },
         "zero_optimization.offload_optimizer",
     ),

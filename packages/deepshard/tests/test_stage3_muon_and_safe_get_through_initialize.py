@@ -4,7 +4,9 @@
 * Muon: the engine tests' MLP trained with the config of `test_muon_through_initialize.py`
   (two of its ``model_parameters`` variants, clipping off) at stage 3, against that test's
   single-process reference (plain Muon with the groups written out by hand); same bound,
-  ``||p - p_ref|| / ||p_ref|| <= 1e-4`` per tensor.
+  ``||p - p_ref|| / ||p_ref|| <= 1e-4`` per tensor; the first variant also with
+  ``offload_optimizer: cpu`` (Newton–Schulz on the device, Muon stepping the host masters: no
+  master shares a unit partition's storage, as the fp32 masters on the device do).
 * safe_get/safe_set with AdamW: after the first backward, ``engine.safe_get_full_grad`` of
   every parameter is the whole-batch gradient of one process; after the step,
   ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state(.., "exp_avg")`` are the
@@ -29,16 +31,25 @@ _muon = import_beside(__file__, "test_muon_through_initialize.py")
 MUON_VARIANTS = ("default", "groups")
 
 
-def _muon_train(mesh: Any, variant: str) -> list[torch.Tensor]:
+def _muon_train(mesh: Any, variant: str, offload: bool = False) -> list[torch.Tensor]:
     import deepshard.engine as ds
 
     rank, world = mesh.get_rank(), mesh.size()
     model = _models.make_mlp()
-    config = _models.engine_config(stage=3, precision="fp32", ga=1)
+    zero: dict[str, Any] = {"stage": 3}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config = _models.engine_config(stage=3, precision="fp32", ga=1, zero_optimization=zero)
     config.update(optimizer={"type": "Muon", "params": _muon.MUON}, gradient_clipping=0.0)
     params = _muon._model_parameters(model, variant)
     engine, optimizer, _, _ = ds.initialize(model, config, model_parameters=params, mesh=mesh)
     assert optimizer.stage == 3
+    units = optimizer.sharded_module.units
+    pairs = zip(optimizer.master_partitions, units, strict=True)
+    ptr = [(m.untyped_storage().data_ptr(), u.partition.untyped_storage().data_ptr())
+           for m, u in pairs if u.plan.params]  # fmt: skip
+    # fp32 on the device: each partition is its own master; offloaded: host masters apart
+    assert all(a == b for a, b in ptr) != offload and all(a != b for a, b in ptr) == offload
     for step in range(_muon.STEPS):
         rows = _models.micro_batch(_models.mlp_batch(step), micro=0, rank=rank, world=world, ga=1)
         engine.backward(_models.mlp_loss(engine, rows, torch.float32))
@@ -81,6 +92,7 @@ def _safe_get_set(mesh: Any) -> dict[str, Any]:
 
 def _all(mesh: Any) -> dict[str, Any]:
     out: dict[str, Any] = {v: _muon_train(mesh, v) for v in MUON_VARIANTS}
+    out["offload"] = _muon_train(mesh, MUON_VARIANTS[0], offload=True)
     out["safe"] = _safe_get_set(mesh)
     return out
 
@@ -99,10 +111,10 @@ def _adamw_reference() -> dict[str, list[torch.Tensor]]:
 
 def test_muon_and_safe_get_at_stage3_through_initialize(tmp_path: Path) -> None:
     ranks = run_on_mesh(_all, 2, store_dir=tmp_path, timeout_s=180)
-    for variant in MUON_VARIANTS:
+    for variant, key in (*((v, v) for v in MUON_VARIANTS), (MUON_VARIANTS[0], "offload")):
         expected = _muon._reference(variant)
         for rank_results in ranks:
-            for got, want in zip(rank_results[variant], expected, strict=True):
+            for got, want in zip(rank_results[key], expected, strict=True):
                 error = float((got - want).norm() / want.norm())
                 assert error <= 1e-4, f"{variant}: off by {error:.3g} relative"
     ref = _adamw_reference()

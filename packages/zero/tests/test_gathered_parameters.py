@@ -245,7 +245,7 @@ def test_bad_input_without_a_world() -> None:
     with pytest.raises(ConfigError, match=r"zero_optimization\.stage"):
         Init(config={"zero_optimization": {"stage": 2}})
     nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}
-    with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.device"):
+    with pytest.raises(ConfigError, match=r"Init\(mesh=None\)"):  # NVMe slices are supported
         Init(config={"zero_optimization": nvme})
     with pytest.raises(ConfigError, match="not a ZeRO stage-3"):
         GatheredParameters(torch.nn.Linear(2, 2).weight)

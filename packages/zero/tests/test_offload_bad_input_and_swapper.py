@@ -73,7 +73,10 @@ def test_optimizers_that_cannot_step_on_the_host_are_refused() -> None:
     assert [p for p, _ in problems] == ["zero_optimization.offload_optimizer"]
     assert "capturable" in problems[0][1]
     muon = offload_problems(ZeroConfig(**cpu), torch.optim.AdamW(_params()), True, True)
-    assert [p for p, _ in muon] == ["zero_optimization.offload_optimizer"]
+    assert [p for p, _ in muon] == ["zero_optimization.offload_optimizer"]  # stage 2
+    assert "stage 3" in muon[0][1]
+    stage3 = ZeroConfig(**{**cpu, "stage": 3})  # Muon steps the host masters at stage 3
+    assert offload_problems(stage3, torch.optim.AdamW(_params()), True, True) == []
     assert offload_problems(ZeroConfig(**cpu), torch.optim.AdamW(_params()), True, False) == []
 
 

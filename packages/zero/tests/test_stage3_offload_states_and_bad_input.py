@@ -176,7 +176,12 @@ def test_bad_input_names_the_key_and_the_fix(tmp_path: Path) -> None:
         build_homes(missing, [4], torch.device("cpu"))
     assert "zero_optimization.offload_param.nvme_path" in str(caught.value)
     partial = ZeroConfig(stage=3, offload_optimizer={"device": "cpu", "ratio": 0.5})
-    keys = [key for key, _ in zero_problems(partial, gradient_clipping=1.0)]
-    assert keys == ["zero_optimization.offload_optimizer.ratio"]
+    assert zero_problems(partial, gradient_clipping=1.0) == []  # stage 3, cpu: supported
+    nvme = {"device": "nvme", "ratio": 0.5, "nvme_path": str(tmp_path)}
+    nvme_config = ZeroConfig(stage=3, offload_optimizer=nvme)
+    keys = [k for k, _ in zero_problems(nvme_config, gradient_clipping=1.0)]
+    assert keys == ["zero_optimization.offload_optimizer.ratio"]  # the host share is CPU Adam's
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.ratio"):  # the schema's rule
+        ZeroConfig(stage=2, offload_optimizer={"device": "cpu", "ratio": 0.5})
     whole = ZeroConfig(stage=3, offload_optimizer={"device": "cpu"})
     assert zero_problems(whole, gradient_clipping=1.0) == []

@@ -70,7 +70,8 @@ def check_init_built(
             ]
         )
     problems = _policy_problems(sharded, config)
-    parts = [u.partition for u in sharded.units if u.plan.params]
+    # the gathered buffers say where training runs: an offloaded partition's home is the host
+    parts = [u.buffer for u in sharded.units if u.plan.params]
     dtypes = sorted({str(p.dtype) for p in parts})
     if param_dtype is not None and dtypes and dtypes != [str(param_dtype)]:
         problems.append(
@@ -86,8 +87,9 @@ def check_init_built(
         problems.append(
             (
                 "Init(remote_device=)",
-                f"the partitions are on {', '.join(devices)} but training runs on {device} "
-                "(offload_param does not stream Init partitions yet); build on the training device",
+                f"the gathered parameters are on {', '.join(devices)} but training runs on "
+                f"{device}; build on the training device (offload_param keeps the partitions "
+                "on the host or in files by itself)",
             )
         )
     group = dist.get_process_group_ranks(resolve_group(dims.dense_dp))

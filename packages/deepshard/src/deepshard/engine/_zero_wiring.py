@@ -85,13 +85,13 @@ def wrap_with_zero(
     sharded = None
     if config.zero_optimization.stage == 3:
         offload = config.zero_optimization.offload_optimizer
-        if muon and offload is not None and offload.device != "none":  # before sharding
+        if muon and offload is not None and offload.device == "nvme":  # before sharding
             raise ConfigError.from_problems(
                 [
                     (
-                        "zero_optimization.offload_optimizer",
-                        "Muon's Newton-Schulz step runs on the device; remove the offload "
-                        "section (or use an Adam optimizer with offload)",
+                        "zero_optimization.offload_optimizer.device",
+                        "'nvme' swaps the state of DeepShard's CPU Adam only, and Muon steps "
+                        "the host masters itself; use device 'cpu'",
                     )
                 ]
             )

@@ -20,10 +20,17 @@ a `ShardedModule` (`deepshard.zero._shard.build_sharded`) with the policy of ``c
 flat partitions one unit at a time. Parameters whose roots were dropped are made whole again.
 `deepshard.zero.sharded_module_of` finds the result from the model, and ``initialize`` uses it
 instead of sharding again.
+
+*NVMe.* With ``offload_param: {device: nvme}`` (or ``remote_device="nvme"``) the slices are
+written into files of a swapper of the block's own (a ``zero3-init-pid…`` directory under
+``nvme_path``) as they are cut, so the finished part of the model lives only in files from
+construction on; at exit each unit's parameters are read back, made whole and handed to its
+NVMe home (`deepshard.zero._param_offload.NvmeHome`), and the block's files are removed.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -46,6 +53,7 @@ from deepshard.zero._lookup import owner_or_slices
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._shard import build_sharded, sharded_module_of
 from deepshard.zero._sharded import ShardedModule
+from deepshard.zero._swap import Swapper
 
 __all__ = ["Init"]
 
@@ -84,7 +92,9 @@ class Init:
         dtype: Cast floating parameters to it while partitioning; ``None``: the config's, or
             keep theirs.
         remote_device: ``"cpu"`` keeps partitions (and the gathered units) on the host;
-            ``None`` puts them on the mesh's device.
+            ``"nvme"`` keeps the partitions in files under ``offload_param.nvme_path`` from
+            construction on (the config's or policy's ``offload_param`` must be NVMe);
+            ``None`` follows ``offload_param`` (the mesh's device without one).
         enabled: ``False`` makes the block (and ``module``) do nothing.
         module: An existing model to partition now (the result is in `sharded`).
         policy: Instead of the config's, the units and knobs (``unit_classes`` ...).
@@ -92,7 +102,8 @@ class Init:
 
     Raises:
         ConfigError: As `deepshard.zero._init_settings.resolve_init_settings`: a bad
-            ``remote_device`` (``"nvme"``), a config not at stage 3, no mesh and no world.
+            ``remote_device`` (``"nvme"`` without an NVMe ``offload_param``), a config not at
+            stage 3, no mesh and no world; an ``nvme_path`` that is not a writable directory.
     """
 
     def __init__(
@@ -133,7 +144,18 @@ class Init:
         if self._slices is not None:
             raise ConfigError("Init: this block is already open; use a new Init for a new block")
         s = self.settings
-        self._slices = InitSlices(s.group, dtype=s.dtype, device=s.device, logger=self._logger)
+        files = None
+        if s.slice_files is not None:
+            assert s.slice_files.nvme_path is not None, "the schema requires nvme_path with nvme"
+            files = Swapper(
+                s.slice_files.nvme_path,
+                s.slice_files.aio,
+                prefix=f"zero3-init-pid{os.getpid()}-",
+                key="zero_optimization.offload_param.nvme_path",
+            )
+        self._slices = InitSlices(
+            s.group, dtype=s.dtype, device=s.device, logger=self._logger, files=files
+        )
         self._handles = [
             register_module_parameter_registration_hook(self._on_parameter),
             register_module_module_registration_hook(self._on_module),
@@ -150,13 +172,17 @@ class Init:
             handle.remove()
         self._handles = []
         slices, self._slices = self._slices, None
-        if slices is None or exc_type is not None:  # no collective after a rank's failure
+        if slices is None:
             return
-        self._partition_finished(slices)
-        for root in self._roots():
-            self._move(root, slices)
-            self.sharded.append(self._shard(root, slices))
-        slices.materialize(slices.params())  # parameters no root holds: whole again
+        try:
+            if exc_type is None:  # no collective after a rank's failure
+                self._partition_finished(slices)
+                for root in self._roots():
+                    self._move(root, slices)
+                    self.sharded.append(self._shard(root, slices))
+                slices.materialize(slices.params())  # parameters no root holds: whole again
+        finally:
+            slices.close()
 
     def partition_bytes(self) -> int:
         """Bytes of this rank's partitions of the parameters built so far in the open block."""

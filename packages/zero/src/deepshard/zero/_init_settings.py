@@ -20,6 +20,7 @@ from deepshard.accelerators import get_accelerator
 from deepshard.comm import ParallelDims, resolve_group
 from deepshard.interface import DeepShardConfig, Topology
 from deepshard.interface.errors import ConfigError
+from deepshard.zero._param_offload import ParamOffload
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero.reduction import GradientReduction, torch_dtype
 
@@ -38,6 +39,8 @@ class InitSettings:
         dtype: Floating parameters are cast to it while partitioned; ``None`` keeps theirs.
         device: Where the partitions live.
         policy: Units and stage-3 knobs of the sharded models.
+        slice_files: NVMe parameter offload: the slices are kept in files under its
+            ``nvme_path`` while the block is open (``None``: in memory on ``device``).
     """
 
     group: dist.ProcessGroup
@@ -45,6 +48,7 @@ class InitSettings:
     dtype: torch.dtype | None
     device: torch.device
     policy: ZeroPolicy
+    slice_files: ParamOffload | None = None
 
 
 def stage3_policy(config: DeepShardConfig) -> ZeroPolicy:
@@ -89,24 +93,40 @@ def _config_dtype(config: DeepShardConfig) -> torch.dtype | None:
 
 def _problems(config: DeepShardConfig | None, remote_device: object) -> list[tuple[str, str]]:
     problems = []
-    nvme = "nvme partitions are not supported yet (zero_optimization.offload_param.device)"
-    if remote_device == "nvme":
-        problems.append(("Init(remote_device=)", f"'nvme': {nvme}; use None or 'cpu'"))
-    elif remote_device not in (None, "cpu"):
-        problems.append(("Init(remote_device=)", f"{remote_device!r}: use None or 'cpu'"))
-    if config is not None:
-        if config.zero_optimization.stage != 3:
-            problems.append(
-                (
-                    "zero_optimization.stage",
-                    f"{config.zero_optimization.stage}, but Init builds ZeRO stage-3 models: "
-                    "set 3 (or build the model without Init)",
-                )
+    if remote_device not in (None, "cpu", "nvme"):
+        problems.append(("Init(remote_device=)", f"{remote_device!r}: use None, 'cpu' or 'nvme'"))
+    if config is not None and config.zero_optimization.stage != 3:
+        problems.append(
+            (
+                "zero_optimization.stage",
+                f"{config.zero_optimization.stage}, but Init builds ZeRO stage-3 models: "
+                "set 3 (or build the model without Init)",
             )
-        offload = config.zero_optimization.offload_param
-        if offload is not None and offload.device == "nvme":
-            problems.append(("zero_optimization.offload_param.device", f"'nvme': {nvme}"))
+        )
     return problems
+
+
+def _slice_files(policy: ZeroPolicy, remote_device: str | None) -> ParamOffload | None:
+    """Where NVMe slices go: the policy's ``offload_param`` with ``device: nvme``, unless
+    ``remote_device`` asks for another place (as DeepSpeed, which defaults it to that device).
+
+    Raises:
+        ConfigError: ``remote_device="nvme"`` without an NVMe ``offload_param``.
+    """
+    offload = policy.param_offload
+    nvme = offload if offload is not None and offload.device == "nvme" else None
+    if remote_device == "nvme" and nvme is None:
+        raise ConfigError.from_problems(
+            [
+                (
+                    "Init(remote_device=)",
+                    "'nvme' keeps the slices in files under zero_optimization.offload_param."
+                    "nvme_path, but the config (or policy) has no offload_param with device "
+                    "'nvme'; add {'device': 'nvme', 'nvme_path': ...} or use None or 'cpu'",
+                )
+            ]
+        )
+    return nvme if remote_device in (None, "nvme") else None
 
 
 def _dims(mesh: DeviceMesh | ParallelDims | None, config: DeepShardConfig | None) -> ParallelDims:
@@ -138,9 +158,9 @@ def resolve_init_settings(
     """Check `Init`'s arguments and read what it needs from them.
 
     Raises:
-        ConfigError: A bad ``remote_device`` (``"nvme"`` names ``offload_param``), a config
-            that is not stage 3 or offloads parameters to NVMe, no mesh and no distributed
-            world, or an argument of the wrong type. Every problem is listed at once.
+        ConfigError: A bad ``remote_device`` (``"nvme"`` without an NVMe ``offload_param``),
+            a config that is not stage 3, no mesh and no distributed world, or an argument of
+            the wrong type. Every problem is listed at once.
     """
     loaded = _load(config)
     problems = _problems(loaded, remote_device)
@@ -148,6 +168,9 @@ def resolve_init_settings(
         problems.append(("Init(dtype=)", f"{dtype!r}: use a floating torch.dtype or None"))
     if problems:
         raise ConfigError.from_problems(problems)
+    if policy is None:
+        policy = stage3_policy(loaded) if loaded is not None else ZeroPolicy()
+    files = _slice_files(policy, remote_device)
     dims = _dims(mesh, loaded)
     offload = loaded.zero_optimization.offload_param if loaded is not None else None
     if remote_device is None and offload is not None and offload.device == "cpu":
@@ -159,6 +182,5 @@ def resolve_init_settings(
         device = get_accelerator(device_type).current_device()
     if dtype is None and loaded is not None:
         dtype = _config_dtype(loaded)
-    if policy is None:
-        policy = stage3_policy(loaded) if loaded is not None else ZeroPolicy()
-    return InitSettings(resolve_group(dims.dense_dp), dims.topology, dtype, device, policy)
+    group = resolve_group(dims.dense_dp)
+    return InitSettings(group, dims.topology, dtype, device, policy, slice_files=files)

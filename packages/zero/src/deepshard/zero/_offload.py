@@ -17,6 +17,10 @@ all-gather after the step reads (`device_partitions`). One step, sub-group by su
 
 On a CPU-only machine the host is the device: the same buffers are separate and every copy
 happens, synchronously.
+
+At stage 3 with ``ratio`` below 1 a `deepshard.zero._partial_offload.DeviceShare` steps the
+first sub-groups on the device before the host pipeline runs the rest (``sub_groups`` are then
+the host share only).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from deepshard.zero._offload_plan import (
 )
 from deepshard.zero._offload_state import HostState, NvmeState, host_allocator
 from deepshard.zero._optimizer_check import master_view_numel
+from deepshard.zero._partial_offload import DeviceShare
 
 __all__ = ["HostOffload", "build_offload", "offload_problems"]
 
@@ -69,6 +74,8 @@ class HostOffload:
         write_back: Stores a stepped sub-group's compute-dtype values instead of copying them
             into ``device_partitions`` (stage 3, whose partitions have homes of their own).
         device: The compute device; ``None``: that of ``device_partitions``.
+        device_share: Sub-groups stepped on the device (partial offload, stage 3), ahead of
+            ``subs``; it needs ``rule`` and a `HostState`.
     """
 
     def __init__(
@@ -83,8 +90,10 @@ class HostOffload:
         *,
         write_back: Callable[[SubGroup, torch.Tensor], None] | None = None,
         device: torch.device | None = None,
+        device_share: DeviceShare | None = None,
     ) -> None:
         self.sub_groups = tuple(subs)
+        self.device_share = device_share
         self.state = state
         self.views = views
         self.device_partitions = device_partitions
@@ -124,6 +133,9 @@ class HostOffload:
             for grad in grads:
                 grad.mul_(factor)
         self._steps = [s + 1 for s in self._steps]
+        if self.device_share is not None:
+            assert self._rule is not None, "offload_problems refuses a partial offload without Adam"
+            self.device_share.step(inner, grads, self._rule, self._steps, self._write_back)
         subs = self.sub_groups
         if not subs:
             return
@@ -175,13 +187,32 @@ class HostOffload:
         for view, _, _ in mine:
             view.grad = None
 
+    def mirror_device_share(self) -> None:
+        """Bring the host buffers' copy of the device share up to date (before reading them)."""
+        if self.device_share is not None:
+            assert isinstance(self.state, HostState), "a partial offload keeps host buffers"
+            self.device_share.to_host(self.state)
+
+    def reload_device_share(self) -> None:
+        """Take the device share's values from the host buffers (after writing them)."""
+        if self.device_share is not None:
+            assert isinstance(self.state, HostState), "a partial offload keeps host buffers"
+            self.device_share.from_host(self.state)
+
+    def placement(self) -> tuple[tuple[SubGroup, str], ...]:
+        """Every sub-group with where it steps: ``"device"`` (partial offload) or ``"host"``."""
+        share = self.device_share.sub_groups if self.device_share is not None else ()
+        return tuple((s, "device") for s in share) + tuple((s, "host") for s in self.sub_groups)
+
     def masters(self) -> tuple[torch.Tensor, ...]:
         """This rank's fp32 master partitions on the host (a fresh read for NVMe)."""
+        self.mirror_device_share()
         return tuple(self.state.whole()[0])
 
     def state_dict(self) -> dict[str, Any]:
         """The step counts and, for the CPU Adam kernel, both moments as whole partitions."""
         saved: dict[str, Any] = {"steps": list(self._steps)}
+        self.mirror_device_share()
         if self._rule is not None:
             _, exp_avg, exp_avg_sq = self.state.whole()
             saved["exp_avg"] = [t.clone() for t in exp_avg]
@@ -207,6 +238,7 @@ class HostOffload:
         if self._rule is not None:
             states += [saved["exp_avg"], saved["exp_avg_sq"]]
         self.state.load(states)
+        self.reload_device_share()
         self._steps = [int(s) for s in saved["steps"]]
         with torch.no_grad():
             for out, master in zip(self.host_out, masters, strict=True):
@@ -214,6 +246,8 @@ class HostOffload:
                     out.copy_(master)
             for sub in self.sub_groups:
                 self._write_back(sub, self.host_out[sub.group][sub.start : sub.stop])
+            if self.device_share is not None:
+                self.device_share.write_all(self._write_back)
         self._fence()()
 
     def close(self) -> None:

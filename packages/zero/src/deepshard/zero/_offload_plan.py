@@ -15,10 +15,13 @@ non-DeepShard class (DeepSpeed refuses client optimizers the same way) and ``dev
 
 **Refusals** (`offload_config_problems`, `offload_problems`), as ``(key path, message)`` like
 every ZeRO refusal: offload at stage 0 (nothing is partitioned, use stage 1), partial offload
-(``ratio`` below 1), ``super_offload``, ``sub_group_size`` 0, a full-gradient transform
-(Muon's Newton–Schulz runs on the device), an optimizer that only steps device tensors
-(``capturable=True``), and the two cases above. ``nvme`` without ``nvme_path`` and
-``offload_param`` below stage 3 are refused by the config schema itself.
+(``ratio`` below 1) other than at stage 3 with ``device: "cpu"`` and an Adam optimizer,
+``super_offload``, ``sub_group_size`` 0, a full-gradient transform (Muon)
+below stage 3 (at stage 3 Newton–Schulz runs on the device on the whole reduced gradient and
+Muon itself steps the host masters, so ``device: "cpu"`` only, as for any non-Adam optimizer),
+an optimizer that only steps device tensors (``capturable=True``), and the two cases above.
+``nvme`` without ``nvme_path`` and ``offload_param`` below stage 3 are refused by the config
+schema itself.
 """
 
 from __future__ import annotations
@@ -180,9 +183,13 @@ def offload_config_problems(config: ZeroConfig) -> list[tuple[str, str]]:
         problems.append((_KEY, "needs stage 1, 2 or 3 (stage 0 partitions nothing); set stage 1"))
     section = config.offload_optimizer
     assert section is not None, "offload_device said there is a section"
-    if section.ratio < 1.0:
+    if section.ratio < 1.0 and (config.stage != 3 or section.device != "cpu"):
         problems.append(
-            (f"{_KEY}.ratio", f"{section.ratio} (partial offload) is not supported; set it to 1.0")
+            (
+                f"{_KEY}.ratio",
+                f"{section.ratio} (partial offload) needs stage 3 and device 'cpu' (got stage "
+                f"{config.stage}, device {section.device!r}); set it to 1.0 or use those",
+            )
         )
     if section.super_offload:
         problems.append(
@@ -214,12 +221,26 @@ def offload_problems(
     if device == "none":
         return []
     problems = []
-    if transformed:
+    if transformed and config.stage < 3:
         problems.append(
-            (_KEY, "Muon's Newton-Schulz step runs on the device; remove the offload section")
+            (
+                _KEY,
+                "Muon with optimizer offload runs at ZeRO stage 3 only (stages 1-2 keep its "
+                "full-gradient groups on the device); set stage 3 or remove the offload section",
+            )
         )
     if not isinstance(optimizer, torch.optim.Optimizer) or adam_rule(optimizer) is not None:
         return problems
+    section = config.offload_optimizer
+    if section is not None and section.ratio < 1.0:
+        problems.append(
+            (
+                f"{_KEY}.ratio",
+                f"partial offload steps its device share with the CPU Adam kernel's formula, and "
+                f"{type(optimizer).__qualname__} is not Adam (or asks for amsgrad/maximize); "
+                "set ratio to 1.0 or use Adam/AdamW",
+            )
+        )
     name = type(optimizer).__qualname__
     if any(group.get("capturable") for group in optimizer.param_groups):
         problems.append(

@@ -282,6 +282,50 @@ class NvmeState:
             states.append(per_group)
         return states
 
+    def _overlapping(self, group: int, lo: int, hi: int) -> list[tuple[SubGroup, int, int]]:
+        """The sub-groups of ``group`` meeting ``[lo, hi)``, with the common range."""
+        found = []
+        for sub in self._subs:
+            a, b = max(lo, sub.start), min(hi, sub.stop)
+            if sub.group == group and a < b:
+                found.append((sub, a, b))
+        return found
+
+    def read_range(self, group: int, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of one state (`STATE_NAMES`) of ``group``, read from its file
+        into a new host tensor (zero where no sub-group was stepped yet, or none covers)."""
+        self.finish()
+        dtype = torch.float32 if name == "master" else self._moment_dtype
+        out = torch.zeros(hi - lo, dtype=dtype)
+        for sub, a, b in self._overlapping(group, lo, hi):
+            if name != "master" and sub in self._fresh:
+                continue
+            offset = self._offset(sub, name) + (a - sub.start) * dtype.itemsize
+            self.swapper.read(self._name(group, name), out[a - lo : b - lo], offset=offset).wait()
+        return out
+
+    def write_range(self, group: int, name: str, lo: int, values: torch.Tensor) -> None:
+        """Write ``values`` as elements ``lo:`` of one state of ``group`` into its file.
+
+        A sub-group whose moments were never written gets zero moments in its files first (the
+        rest of its range then reads as the zeros it stood for).
+        """
+        self.finish()
+        dtype = torch.float32 if name == "master" else self._moment_dtype
+        host = values.detach().to("cpu", dtype).reshape(-1).contiguous()
+        for sub, a, b in self._overlapping(group, lo, lo + host.numel()):
+            if name != "master" and sub in self._fresh:
+                zeros = torch.zeros(sub.numel, dtype=self._moment_dtype)
+                for moment in STATE_NAMES[1:]:
+                    request = self.swapper.write(
+                        self._name(group, moment), zeros, offset=self._offset(sub, moment)
+                    )
+                    request.wait()
+                self._fresh.discard(sub)
+            offset = self._offset(sub, name) + (a - sub.start) * dtype.itemsize
+            piece = host[a - lo : b - lo]
+            self.swapper.write(self._name(group, name), piece, offset=offset).wait()
+
     def load(self, states: Sequence[Sequence[torch.Tensor]]) -> None:
         """Write whole partitions (as `whole` returns them) into the files."""
         self.finish()

@@ -7,22 +7,28 @@ the fp32 partition filled by the boundary pass; stage 2: the partition accumulat
 optimizer's state, which is kept per master *view* (`deepshard.zero._flat_params.master_views`):
 a parameter's piece may straddle views, so its state is the matching slices of several state
 tensors. The model's copy of every parameter is whole on every rank at stages 0-2.
+
+With ``offload_optimizer`` the master and the CPU Adam kernel's moments are the offload's host
+buffers or files (`deepshard.zero._offload_access`); the device then keeps only a
+compute-dtype copy of the partition, which the accessors never read.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from deepshard.interface import ShardMap, ShardPiece
 from deepshard.interface.errors import ConfigError
+from deepshard.zero._offload_access import offloaded_views, state_name, store_offloaded
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:
     from deepshard.zero._full_grad_store import SplitGradients
+    from deepshard.zero._offload import HostOffload
     from deepshard.zero._passes import BackwardPasses
     from deepshard.zero.access import StateKind
 
@@ -39,6 +45,7 @@ class ZeroPartitionAccess:
     _shards: tuple[ParamShard, ...]
     _store: SplitGradients
     _passes: BackwardPasses
+    _offload: HostOffload | None
     _group: torch.distributed.ProcessGroup
     check_resident: Callable[[str], None]
     """`deepshard.zero._states.StateOffload.check_resident` (the optimizer has both mixins)."""
@@ -93,12 +100,36 @@ class ZeroPartitionAccess:
             return None
         g, shard = found
         spans = [(p.local_offset, p.local_offset + p.numel) for p in self._pieces(shard)]
+        name = (
+            None
+            if self._offload is None or kind == "grad"
+            else state_name(self._offload, kind, key)
+        )
+        if self._offload is not None and name is not None:
+            return offloaded_views(self._offload, g, name, spans)
         if kind == "fp32":
             return [self._masters[g][lo:hi] for lo, hi in spans]
         if kind == "grad":
             grads = self._store.grad_partition(g) if self._passes.ready else None
             return None if grads is None else [grads[lo:hi] for lo, hi in spans]
         return [view for lo, hi in spans for view in self._state_slices(g, lo, hi, key)]
+
+    def store_local_views(
+        self,
+        param: torch.Tensor,
+        kind: StateKind,
+        key: str | None,
+        views: Sequence[torch.Tensor],
+    ) -> None:
+        """Write views of NVMe-offloaded masters or moments back into their files."""
+        found = self._find(param)
+        if self._offload is None or kind == "grad" or found is None:
+            return
+        name = state_name(self._offload, kind, key)
+        if name is not None:
+            g, shard = found
+            spans = [(p.local_offset, p.local_offset + p.numel) for p in self._pieces(shard)]
+            store_offloaded(self._offload, g, name, spans, views)
 
     def _pieces(self, shard: ParamShard) -> list[ShardPiece]:
         return list(shard.shard_map.pieces_of(self._group.rank()))

@@ -16,6 +16,10 @@ for the fp32 masters and moments; the `Swapper`) runs unchanged with two mapping
   padding at a partition's end) are never stepped, as without offload. Sub-groups are ordered by
   unit, so a unit's writes are consecutive.
 
+With ``ratio`` below 1 (partial offload, `deepshard.zero._partial_offload`) the first
+``int((1 - ratio) · n)`` of those sub-groups are stepped on the device and the pipeline runs
+the rest.
+
 The stepped values are written back through the unit's home (`deepshard.zero._param_offload`):
 into the device partition, the host partition (``offload_param: cpu``) or behind into its file
 (``offload_param: nvme``).
@@ -34,6 +38,7 @@ from deepshard.zero._offload import HostOffload, Views, _accelerator
 from deepshard.zero._offload_plan import SubGroup, adam_rule, offload_device
 from deepshard.zero._offload_state import HostState, NvmeState, host_allocator
 from deepshard.zero._optimizer_check import master_view_numel
+from deepshard.zero._partial_offload import DeviceShare, split_sub_groups
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._stage3_masters import follow_partition
 
@@ -105,7 +110,7 @@ def build_stage3_offload(
     device = units[0].buffer.device
     rule = adam_rule(optimizer)
     allocate = host_allocator(_accelerator(device), section.pin_memory)
-    subs = stage3_sub_groups(ranges)
+    share, subs = split_sub_groups(stage3_sub_groups(ranges), section.ratio)
     numels = list(trainable)
     values = [u.home.read()[:n] for u, n in zip(units, numels, strict=True)]
     fp32_states = getattr(optimizer, "fp32_optimizer_states", True) is not False
@@ -136,9 +141,11 @@ def build_stage3_offload(
     def write_back(sub: SubGroup, out: torch.Tensor) -> None:
         units[sub.group].home.write(out, sub.start)
 
-    return HostOffload(
-        subs, state, rule, views, host_grads, host_out, [], write_back=write_back, device=device
-    )
+    device_share = None
+    if share:  # offload_problems allows ratio < 1 with the CPU Adam kernel and host buffers
+        device_share = DeviceShare(share, [v.to(device) for v in values], moment_dtype, device)
+    return HostOffload(subs, state, rule, views, host_grads, host_out, [],
+                       write_back=write_back, device=device, device_share=device_share)  # fmt: skip
 
 
 def follow_partitions(offload: HostOffload, sharded: ShardedModule, units: Sequence[int]) -> None:
@@ -149,8 +156,10 @@ def follow_partitions(offload: HostOffload, sharded: ShardedModule, units: Seque
     in place; NVMe masters are read from their files, changed and written back (moments too:
     the state moves as a whole).
     """
+    offload.mirror_device_share()
     states = offload.state.whole()
     for unit in units:
         follow_partition(states[0][unit], sharded.units[unit].home.read())
     if not isinstance(offload.state, HostState):
         offload.state.load(states)
+    offload.reload_device_share()

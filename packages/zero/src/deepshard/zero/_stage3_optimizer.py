@@ -24,7 +24,8 @@ is left is the arithmetic of stages 0-2 on those partitions:
 
 With ``offload_optimizer`` the masters (still only the trainable prefixes) and moments live on
 the host or in files and step 2 runs on the host per sub-group (`deepshard.zero._stage3_offload`;
-Muon is refused there: its Newton-Schulz step runs on the device); the partitions themselves
+with Muon, step 3 still runs on the device first and Muon steps the host masters itself, so
+``device: "cpu"`` only); the partitions themselves
 may live on the host or in files too (``offload_param``, `deepshard.zero._param_offload`), and
 ``offload_states`` moves the stage-3 state types (`deepshard.zero._stage3_states`).
 """
@@ -83,7 +84,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         full_grad_transform: ``(grad, buffer, param_group) -> update`` on the whole reduced
             gradient of each of ``transformed_params`` once per step (Muon's ``muon_update``;
             see `deepshard.zero._stage3_muon`); it declares the inner optimizer element-wise
-            on what remains. Refused with ``offload_optimizer``.
+            on what remains. With ``offload_optimizer: cpu`` it still runs on the device.
         transformed_params: Whole param groups of ``optimizer`` to transform.
         aio: The ``aio`` section (NVMe optimizer offload).
         zero_force_ds_cpu_optimizer: With offload, refuse an optimizer stepped as itself on the
@@ -340,12 +341,15 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         """Bytes of inner-optimizer state (and full-gradient buffers) on this rank."""
         tensors = [v for s in self.inner.state.values() for v in s.values()]
         inner = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        return inner + self._transforms.nbytes()
+        share = None if self._offload is None else self._offload.device_share
+        moments = 0 if share is None else share.nbytes()[1]  # a partial offload's device moments
+        return inner + self._transforms.nbytes() + moments
 
     def master_bytes(self) -> int:
         """Bytes of fp32 masters beyond the partitions (an fp32 partition is its own master)."""
-        if self._offload is not None:
-            return 0  # on the host
+        if self._offload is not None:  # on the host, but for a partial offload's device share
+            share = self._offload.device_share
+            return 0 if share is None else share.nbytes()[0]
         pairs = zip(self._masters, self._own_master, strict=True)
         return sum(m.numel() * m.element_size() for m, own in pairs if own)
 

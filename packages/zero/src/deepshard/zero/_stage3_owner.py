@@ -13,23 +13,23 @@ rank's piece into the unit's partition through its home (rounded to the model dt
 buffer or a file with ``offload_param``) and, when the unit is gathered right now, the whole
 value into the gathered buffer, so the next forward sees it whether or not it re-gathers.
 
-With ``offload_optimizer: cpu`` the masters are the host masters and the state is the CPU Adam
-kernel's host moments (``exp_avg``, ``exp_avg_sq``, whole per unit) or the inner optimizer's
-state of its host master views; reads and writes go to them directly. With ``nvme`` masters and
-moments live in files between steps, so views of them cannot be written: the fp32 and state
-accessors are refused with `ConfigError` (gradients and the model parameters still work).
+With ``offload_optimizer`` the masters and the CPU Adam kernel's moments (``exp_avg``,
+``exp_avg_sq``, whole per unit) are the offload's: host buffers read and written in place
+(``cpu``) or ranges of the swap files read into host copies and written back by
+`store_local_views` (``nvme``), as `deepshard.zero._offload_access` says. An optimizer stepped
+as itself on host master views keeps its own state, read as without offload.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from deepshard.interface import ShardMap
 from deepshard.interface.errors import ConfigError
-from deepshard.zero._offload_state import HostState
+from deepshard.zero._offload_access import offloaded_views, state_name, store_offloaded
 
 if TYPE_CHECKING:
     from deepshard.zero._offload import HostOffload
@@ -93,46 +93,42 @@ class Stage3PartitionAccess:
         info = self._info(param)
         if info is None:
             return None
-        rank = self._group.rank()
-        spans = [
-            (p.local_offset, p.local_offset + p.numel) for p in info.shard.shard_map.pieces_of(rank)
-        ]
+        spans = self._spans(info)
         if kind == "grad":
             grads = self.sharded.units[info.unit].grad_partition if self._ready else None
             return None if grads is None else [grads[lo:hi] for lo, hi in spans]
+        name = None if self._offload is None else state_name(self._offload, kind, key)
+        if self._offload is not None and name is not None:
+            return offloaded_views(self._offload, info.unit, name, spans)
         if kind == "fp32":
-            master = self._owner_masters(kind)[info.unit]
-            return [master[lo:hi] for lo, hi in spans]
+            return [self._masters[info.unit][lo:hi] for lo, hi in spans]
         return [view for lo, hi in spans for view in self._state_slices(info.unit, lo, hi, key)]
 
-    def _owner_masters(self, kind: str) -> list[torch.Tensor]:
-        """The masters ``local_views`` reads and writes: on the device, or the host masters.
+    def store_local_views(
+        self,
+        param: torch.Tensor,
+        kind: StateKind,
+        key: str | None,
+        views: Sequence[torch.Tensor],
+    ) -> None:
+        """Write views of NVMe-offloaded masters or moments back into their files."""
+        info = self._info(param)
+        if self._offload is None or kind == "grad" or info is None:
+            return
+        name = state_name(self._offload, kind, key)
+        if name is not None:
+            store_offloaded(self._offload, info.unit, name, self._spans(info), views)
 
-        Raises:
-            ConfigError: With NVMe optimizer offload (masters and moments are in files).
-        """
-        if self._offload is None:
-            return self._masters
-        state = self._offload.state
-        if not isinstance(state, HostState):
-            raise ConfigError(
-                f"zero_optimization.offload_optimizer.device: 'nvme' keeps the fp32 masters and "
-                f"optimizer state in files between steps, so their {kind} cannot be read or "
-                "written in place at ZeRO stage 3; use device 'cpu' (or none) for the "
-                "safe_get/safe_set fp32 and optimizer-state functions"
-            )
-        return state.masters
+    def _spans(self, info: ShardInfo) -> list[tuple[int, int]]:
+        """This rank's ranges of the parameter in its unit's partition."""
+        pieces = info.shard.shard_map.pieces_of(self._group.rank())
+        return [(p.local_offset, p.local_offset + p.numel) for p in pieces]
 
     def _state_entries(self, unit: int) -> list[tuple[dict[str, torch.Tensor], View]]:
-        """Every master view of ``unit`` with its per-element state."""
+        """Every master view of ``unit`` with its per-element state (with offload, the host
+        master views of an optimizer stepped as itself)."""
         if self._offload is None:
             return [(self.inner.state.get(v[1], {}), v) for v in self._views if v[0] == unit]
-        masters = self._owner_masters("state")
-        assert isinstance(self._offload.state, HostState), "checked by _owner_masters"
-        moments = self._offload.state.moments
-        if moments:  # the CPU Adam kernel: whole-unit moments on the host
-            state = {"exp_avg": moments[0][unit], "exp_avg_sq": moments[1][unit]}
-            return [(state, (unit, masters[unit], 0, masters[unit].numel()))]
         views = self._offload.views[unit]
         return [(self.inner.state.get(v, {}), (unit, v, lo, hi)) for v, lo, hi in views]
 

@@ -8,7 +8,8 @@ types are:
 * ``optim_states``: the inner optimizer's state tensors (with ``offload_optimizer`` the moments
   already live on the host or in files and stay there);
 * ``hp_params``: the fp32 master partitions held beside the partitions (an fp32 partition is its
-  own master; with ``offload_optimizer`` they are on the host already);
+  own master; with ``offload_optimizer`` they are on the host already, but for a partial
+  offload's device share, whose masters and moments count here and under ``optim_states``);
 * ``lp_params``: every unit's parameter partition (a host buffer with ``offload_param: cpu``;
   with ``nvme`` it is in a file and holds no bytes);
 * ``lp_grads``: the reduced gradient partitions (from the boundary's backward to the step);
@@ -28,6 +29,7 @@ import torch
 from deepshard.zero._states import StateOffload, _Released
 
 if TYPE_CHECKING:
+    from deepshard.zero._offload import HostOffload
     from deepshard.zero._sharded import ShardedModule
 
 __all__ = ["Stage3States"]
@@ -37,16 +39,19 @@ class Stage3States(StateOffload):
     """The stage-3 state types for `StateOffload` (a mixin of `Stage3Optimizer`)."""
 
     sharded: ShardedModule
+    _offload: HostOffload | None
 
     def _in_backward(self) -> bool:
         return self.sharded.in_pass
 
     def _state_tensors(self, name: str) -> list[torch.Tensor]:
+        share = None if self._offload is None else self._offload.device_share
         if name == "optim_states":
             inner = [v for s in self.inner.state.values() for v in s.values()]
-            return [t for t in inner if isinstance(t, torch.Tensor)]
+            moments = [m for ms in share.moments for m in ms] if share is not None else []
+            return [t for t in inner if isinstance(t, torch.Tensor)] + moments
         if name == "hp_params":
-            return list(self._masters)
+            return list(self._masters) + (list(share.masters) if share is not None else [])
         if name == "lp_params":
             return [u.partition for u in self.sharded.units]
         if name == "lp_grads":

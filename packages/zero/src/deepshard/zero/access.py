@@ -27,6 +27,9 @@ where it holds none). Getters return fp32 copies; change values through the sett
 
 At stage 3 the owner is the `Stage3Optimizer` (``deepshard.zero._stage3_owner``): the same
 shard maps, over each unit's partition; setting a parameter also writes the model's partition.
+With ``offload_optimizer`` (stages 1-3) the master and the CPU Adam kernel's moments are read
+from and written to the host buffers, or through the NVMe swap files
+(`deepshard.zero._offload_access`).
 """
 
 from __future__ import annotations
@@ -106,6 +109,18 @@ class PartitionedOwner(Protocol):
         Raises:
             ConfigError: ``key`` is not a state of the inner optimizer.
         """
+        ...
+
+    def store_local_views(
+        self,
+        param: torch.Tensor,
+        kind: StateKind,
+        key: str | None,
+        views: Sequence[torch.Tensor],
+    ) -> None:
+        """Keep what a setter wrote into ``views`` (from `local_views` with the same
+        arguments): nothing to do where they are the storage itself; with NVMe optimizer
+        offload they are copies read from the swap files, written back here."""
         ...
 
     def write_model_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
@@ -232,6 +247,7 @@ def _set(
         for view in found.views:
             view.copy_(local[start : start + view.numel()].view(view.shape))
             start += view.numel()
+    owner.store_local_views(param, kind, key, found.views)
     if kind == "fp32":  # the model's copy follows (the local setter gathers the whole master)
         model = _gather(found, owner, param.device) if whole is None else whole.view(found.shape)
         owner.write_model_param(param, model)

@@ -48,8 +48,9 @@ PACKAGES: tuple[PackageStatus, ...] = (
         "deepshard.zero",
         "packages/zero",
         "ZeRO stages 0-3, `Init`, `GatheredParameters`, optimizer offload to CPU or NVMe at "
-        "stages 1-3, parameter offload and `offload_states` at stage 3 (available); Muon with "
-        "optimizer offload, `Init` with NVMe parameter offload (planned)",
+        "stages 1-3, parameter offload (also under `Init`, NVMe included), partial optimizer "
+        "offload, Muon with CPU optimizer offload and `offload_states` at stage 3 (available); "
+        "`super_offload` (planned)",
         "partial",
     ),
     PackageStatus(

@@ -112,6 +112,32 @@ class _Function(torch.autograd.Function):
         return (None, None, x_grad_full, *([None] * len(others)), *acc.param_grads)
 
 
+def _check_call(
+    shards: int,
+    sharded: Mapping[str, torch.Tensor],
+    grad_key: str,
+    seq_dim: int,
+    output_reduction: Reduction,
+) -> None:
+    check_shards(shards, "SequenceTiledCompute")
+    if grad_key not in sharded:
+        raise ConfigError(
+            f"SequenceTiledCompute: grad_key {grad_key!r} is not a key of sharded "
+            f"({sorted(sharded)})."
+        )
+    if output_reduction not in (None, "mean", "sum"):
+        raise ConfigError(
+            "SequenceTiledCompute: output_reduction must be None, 'mean' or 'sum', got "
+            f"{output_reduction!r}."
+        )
+    lengths = {k: t.shape[seq_dim] for k, t in sharded.items()}
+    if len(set(lengths.values())) != 1:
+        raise ConfigError(
+            f"SequenceTiledCompute: every sharded tensor needs the same length in dim "
+            f"{seq_dim}, got {lengths}."
+        )
+
+
 def sequence_tiled_compute(
     fn: Callable[..., torch.Tensor],
     shards: int,
@@ -146,23 +172,7 @@ def sequence_tiled_compute(
         ConfigError: On bad `shards`, an unknown `grad_key` or reduction, or sharded tensors
             of different sequence lengths.
     """
-    check_shards(shards, "SequenceTiledCompute")
-    if grad_key not in sharded:
-        raise ConfigError(
-            f"SequenceTiledCompute: grad_key {grad_key!r} is not a key of sharded "
-            f"({sorted(sharded)})."
-        )
-    if output_reduction not in (None, "mean", "sum"):
-        raise ConfigError(
-            "SequenceTiledCompute: output_reduction must be None, 'mean' or 'sum', got "
-            f"{output_reduction!r}."
-        )
-    lengths = {k: t.shape[seq_dim] for k, t in sharded.items()}
-    if len(set(lengths.values())) != 1:
-        raise ConfigError(
-            f"SequenceTiledCompute: every sharded tensor needs the same length in dim "
-            f"{seq_dim}, got {lengths}."
-        )
+    _check_call(shards, sharded, grad_key, seq_dim, output_reduction)
     others = tuple(k for k in sharded if k != grad_key)
     call = _Call(
         fn, shards, grad_key, others, dict(passed or {}), seq_dim, output_seq_dim, output_reduction

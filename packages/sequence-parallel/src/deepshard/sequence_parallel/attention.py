@@ -145,6 +145,9 @@ class DistributedAttention(torch.nn.Module):
     ) -> torch.Tensor:
         """Attention over the full sequence of this rank's sequence shard.
 
+        Every rank of the group calls it with a sequence shard of the same length (`s/P`);
+        head counts may be uneven.
+
         Args:
             q: `[b, s/P, h, d]` (`batch_dim_idx=0`) or `[s/P, b, h, d]` (`batch_dim_idx=1`).
             k: Same layout with the layer's KV heads.

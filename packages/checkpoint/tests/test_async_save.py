@@ -25,7 +25,9 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def _digests(tag_dir: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tag_dir.glob("*.safetensors")}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tag_dir.glob("*.safetensors")
+    }
 
 
 def _metadata_without_time(root: Path) -> dict[str, object]:

@@ -138,14 +138,14 @@ def test_mismatched_keys_and_shapes_are_refused(tmp_path: Path) -> None:
 
 
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="tag '../up'"):
+    with pytest.raises(CheckpointError, match=r"tag '\.\./up'"):
         save({"x": torch.ones(1)}, tmp_path, tag="../up")
-    with pytest.raises(CheckpointError, match="x: a checkpoint holds torch.Tensor"):
+    with pytest.raises(CheckpointError, match=r"x: a checkpoint holds torch\.Tensor"):
         save({"x": [1.0]}, tmp_path, tag="t")  # type: ignore[dict-item]
     with pytest.raises(CheckpointError, match="JSON-serialisable"):
         save({"x": torch.ones(1)}, tmp_path, tag="t", metadata={"f": object()})
     smap = ShardMap.contiguous_split((4,), "float32", dim=0, sizes=[4])
-    with pytest.raises(CheckpointError, match="needs? 4"):
+    with pytest.raises(CheckpointError, match="need 4"):
         save({"x": ShardedTensor(torch.ones(3), smap, 0)}, tmp_path, tag="t")
     with pytest.raises(CheckpointError, match="says float32"):
         save({"x": ShardedTensor(torch.ones(4, dtype=torch.float64), smap, 0)}, tmp_path, tag="t")

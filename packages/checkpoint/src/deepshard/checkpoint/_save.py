@@ -312,6 +312,8 @@ def save(
         error, members, timeout_s=timeout_s, what=f"the end of saving {tag!r}"
     )
     failures = [f"rank {r}: {e}" for r, e in enumerate(outcomes) if e is not None]
+    if failures and members.rank == 0:  # every rank is past its writes: nobody needs it now
+        _publish.remove_tree(tmp_dir)
     handle._finish(CheckpointError("; ".join(failures)) if failures else None)
     handle.wait()
     return handle

@@ -84,6 +84,10 @@ def _ranks(mesh: Any, root: Path) -> dict[str, Any]:
         strict=False,
     )
     out.update(a=a_local, b=b_whole, step=step, unexpected=result.unexpected)
+    # The saved layout again: each rank reads exactly its own partition's bytes.
+    same = _zero_state({k: torch.zeros_like(v) for k, v in full.items()}, rank, 2)
+    out["same"] = load(root, same, group=group).bytes_read
+    out["same_masters"] = same["a.master"].local
     # Replicated -> sharded: save `b` whole from both ranks, load it as 2 row shards.
     save({"b": full["b"]}, root / "rep", tag="t", group=group)
     rows = ShardMap.contiguous_split((3, 4), "float32", dim=0, sizes=[2, 1])
@@ -110,6 +114,9 @@ def test_two_ranks_reshard_and_fail_together(tmp_path: Path) -> None:
         rows = slice(0, 2) if rank == 0 else slice(2, 3)
         assert torch.equal(out["b_rows"], full["b"][rows].reshape(-1))
         assert "rank 1" in out["failure"] and "injected failure at mid_file" in out["failure"]
+        assert torch.equal(out["same_masters"], _partition(full, rank, 2))
+        held = {0: 24 + 24, 1: (35 - 24) + 12 + (35 - 24) + 12}[rank]  # masters + moments
+        assert out["same"] == held * 4 + 8  # + the int64 `step`, which every rank reads whole
     assert list_tags(root) == ["w2"] and (root / "latest").read_text().strip() == "w2"
     assert read_metadata(root)["metadata"] == {"world": 2}
 

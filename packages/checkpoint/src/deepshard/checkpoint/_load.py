@@ -122,7 +122,9 @@ def _check_files(tag_dir: Path, meta: Mapping[str, Any], members: Members, verif
 
 def _fill(
     tag_dir: Path, meta: Mapping[str, Any], items: list[tuple[str, StateValue]], rank: int
-) -> None:
+) -> int:
+    """Fill ``items`` from the checkpoint; return the number of tensor bytes read."""
+    bytes_read = 0
     with contextlib.ExitStack() as stack:
         reader = _Reader(tag_dir, stack)
         for name, value in items:
@@ -133,7 +135,9 @@ def _fill(
             saved = ShardMap.from_json(entry["shard_map"])
             copies = plan_copies(name, saved, target, target_rank, linear)
             with torch.no_grad():
-                apply_copies(dest, copies, reader.reader(name, entry["files"]))
+                elements = apply_copies(dest, copies, reader.reader(name, entry["files"]))
+            bytes_read += elements * torch_dtype(saved.dtype).itemsize
+    return bytes_read
 
 
 def _agree(members: Members, error: str | None, what: str, timeout_s: float) -> None:
@@ -192,10 +196,14 @@ def load(
         _check_files(found["dir"], found["meta"], members, verify_checksums)
 
     _agree(members, _attempt(check), "the checkpoint checks", timeout_s)
-    error = _attempt(lambda: _fill(found["dir"], found["meta"], items, members.rank))
-    _agree(members, error, "the end of loading", timeout_s)
+
+    def fill() -> None:
+        found["read"] = _fill(found["dir"], found["meta"], items, members.rank)
+
+    _agree(members, _attempt(fill), "the end of loading", timeout_s)
     missing, unexpected = found["keys"]
-    return LoadResult(found["dir"], dict(found["meta"]["metadata"]), missing, unexpected)
+    metadata = dict(found["meta"]["metadata"])
+    return LoadResult(found["dir"], metadata, missing, unexpected, found["read"])
 
 
 def load_state_dict_from_checkpoint(

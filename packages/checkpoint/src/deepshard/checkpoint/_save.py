@@ -42,7 +42,7 @@ from deepshard.checkpoint._layout import (
     data_file_name,
 )
 from deepshard.checkpoint._plan import RankPlan, merge_reports, plan_rank
-from deepshard.checkpoint._safetensors_io import write_safetensors
+from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, write_safetensors
 from deepshard.checkpoint._types import JSONValue, SaveHooks, StateValue, state_items
 from deepshard.comm import Group
 from deepshard.interface.errors import CheckpointError
@@ -125,7 +125,8 @@ def _write_part(job: _Job) -> None:
         digest = write_safetensors(
             job.tmp_dir / report["file"], job.plan.entries, halfway=lambda: job.reached("mid_file")
         )
-        report.update(sha256=digest.sha256, size=digest.size, pieces=job.plan.pieces)
+        report.update(sha256=digest.sha256, size=digest.size, blocks=list(digest.blocks))
+        report["pieces"] = job.plan.pieces
         report["shapes"] = {k: [list(s), d] for k, (s, d) in job.plan.shapes.items()}
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
@@ -169,7 +170,14 @@ def _version(dist_name: str) -> str:
 def _publish_tag(job: _Job) -> Path:
     reports = _await_reports(job)
     files = {
-        r["file"]: {"rank": r["rank"], "sha256": r["sha256"], "size": r["size"]} for r in reports
+        r["file"]: {
+            "rank": r["rank"],
+            "sha256": r["sha256"],
+            "size": r["size"],
+            "block_bytes": BLOCK_BYTES,
+            "block_sha256": r["blocks"],
+        }
+        for r in reports
     }
     document = {
         "format": FORMAT_NAME,

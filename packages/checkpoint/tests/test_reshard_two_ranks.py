@@ -99,6 +99,10 @@ def _ranks(mesh: Any, root: Path) -> dict[str, Any]:
         save({"b": full["b"]}, root, tag="broken", group=group, hooks=_FailAt("mid_file", 1))
     except CheckpointError as exc:
         out["failure"] = str(exc)
+    try:
+        save({"b": full["b"]}, root, tag=f"step{rank}", group=group)
+    except CheckpointError as exc:
+        out["tags"] = str(exc)
     return out
 
 
@@ -114,10 +118,12 @@ def test_two_ranks_reshard_and_fail_together(tmp_path: Path) -> None:
         rows = slice(0, 2) if rank == 0 else slice(2, 3)
         assert torch.equal(out["b_rows"], full["b"][rows].reshape(-1))
         assert "rank 1" in out["failure"] and "injected failure at mid_file" in out["failure"]
+        assert "different tags ['step0', 'step1']" in out["tags"]
         assert torch.equal(out["same_masters"], _partition(full, rank, 2))
         held = {0: 24 + 24, 1: (35 - 24) + 12 + (35 - 24) + 12}[rank]  # masters + moments
         assert out["same"] == held * 4 + 8  # + the int64 `step`, which every rank reads whole
     assert list_tags(root) == ["w2"] and (root / "latest").read_text().strip() == "w2"
+    assert not list(root.glob(".tmp-*"))  # failed saves leave nothing behind
     assert read_metadata(root)["metadata"] == {"world": 2}
 
     # World 1: consolidated, and into a one-rank ZeRO layout with another alignment.

@@ -216,7 +216,7 @@ def _run(job: _Job) -> Path:
 
 def _start(save_dir: Path, tag: str, members: Members, timeout_s: float) -> Path:
     """Step 1: rank 0 makes the temporary directory; every rank learns its name."""
-    status: dict[str, Any] = {"token": uuid.uuid4().hex[:12], "error": None}
+    status: dict[str, Any] = {"token": uuid.uuid4().hex[:12], "error": None, "tag": tag}
     if members.rank == 0:
         try:
             save_dir.mkdir(parents=True, exist_ok=True)
@@ -225,12 +225,22 @@ def _start(save_dir: Path, tag: str, members: Members, timeout_s: float) -> Path
             (save_dir / f"{TMP_PREFIX}{tag}-{status['token']}").mkdir()
         except OSError as exc:
             status["error"] = f"cannot create a directory in {save_dir}: {exc}"
-    first = all_gather_json(
+    statuses = all_gather_json(
         status, members, timeout_s=timeout_s, what=f"the start of saving {tag!r}"
-    )[0]
+    )
+    first = statuses[0]
     if first["error"] is not None:
         raise CheckpointError(f"rank 0: {first['error']}; pass a writable save_dir")
-    return save_dir / f"{TMP_PREFIX}{tag}-{first['token']}"
+    tmp_dir = save_dir / f"{TMP_PREFIX}{tag}-{first['token']}"
+    tags = [s["tag"] for s in statuses]
+    if len(set(tags)) > 1:
+        if members.rank == 0:
+            _publish.remove_tree(tmp_dir)
+        raise CheckpointError(
+            f"the ranks save under different tags {tags} (by rank); every rank must pass the "
+            "same tag (derive it from the global step, not from a rank-local counter)"
+        )
+    return tmp_dir
 
 
 def _check_metadata(metadata: Mapping[str, JSONValue] | None) -> dict[str, JSONValue]:

@@ -1,5 +1,6 @@
-"""Two gloo ranks save a ZeRO-like flat layout; it loads at world 2 in other layouts and at
-world 1, replicated and sharded swap, and a rank failing mid-save fails the save on both ranks.
+"""Two gloo ranks save a ZeRO-like flat layout (also in background: the same files); it loads
+at world 2 in other layouts and at world 1, replicated and sharded swap, and a rank failing
+mid-save (or passing another tag) fails the save on both ranks.
 
 The full tensors are made from a seed in the test; each rank's expected storage is cut from
 them with plain slicing of the partitioned buffer (not with the shard-map arithmetic).
@@ -71,6 +72,10 @@ def _ranks(mesh: Any, root: Path) -> dict[str, Any]:
     group, rank = mesh["dp"], mesh.get_rank()
     full = _full()
     save(_zero_state(full, rank, 2), root, tag="w2", group=group, metadata={"world": 2})
+    pending = save(
+        _zero_state(full, rank, 2), root / "async", tag="w2", group=group, async_save=True
+    )
+    pending.wait()
     out: dict[str, Any] = {}
     # World 2, other layouts: `a` split on dim 1 unevenly, `b` replicated on both ranks.
     columns = ShardMap.contiguous_split((5, 7), "float32", dim=1, sizes=[3, 4])
@@ -125,6 +130,8 @@ def test_two_ranks_reshard_and_fail_together(tmp_path: Path) -> None:
     assert list_tags(root) == ["w2"] and (root / "latest").read_text().strip() == "w2"
     assert not list(root.glob(".tmp-*"))  # failed saves leave nothing behind
     assert read_metadata(root)["metadata"] == {"world": 2}
+    for name in ("rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"):
+        assert (root / "async" / "w2" / name).read_bytes() == (root / "w2" / name).read_bytes()
 
     # World 1: consolidated, and into a one-rank ZeRO layout with another alignment.
     whole = load_state_dict_from_checkpoint(root)

@@ -301,16 +301,7 @@ def save(
     members = members_of(group)
     root = Path(save_dir)
     tmp_dir = _start(root, tag, members, timeout_s)
-    plan = plan_rank(items, members.rank)
-    copy = async_save or any(
-        t.device.type != "cpu" or not t.is_contiguous() for _, t in plan.entries
-    )
-    if copy:
-        plan = RankPlan(
-            [(k, t.to("cpu", copy=True).contiguous()) for k, t in plan.entries],
-            plan.pieces,
-            plan.shapes,
-        )
+    plan = _snapshot(plan_rank(items, members.rank), copy=async_save)
     job = _Job(
         members, root, tmp_dir, tag, plan, document, save_latest, keep_last, hooks, timeout_s
     )
@@ -321,20 +312,33 @@ def save(
             target=_in_background, args=(job, handle), name="deepshard-checkpoint-save", daemon=True
         ).start()
         return handle
+    _run_and_agree(job, handle)
+    return handle
+
+
+def _snapshot(plan: RankPlan, *, copy: bool) -> RankPlan:
+    """The plan with its tensors as contiguous CPU memory, copied if ``copy`` (background)."""
+    if not copy and all(t.device.type == "cpu" and t.is_contiguous() for _, t in plan.entries):
+        return plan
+    entries = [(k, t.to("cpu", copy=True).contiguous()) for k, t in plan.entries]
+    return RankPlan(entries, plan.pieces, plan.shapes)
+
+
+def _run_and_agree(job: _Job, handle: SaveHandle) -> None:
+    """A synchronous save: run it, then make any rank's failure every rank's error."""
     error: str | None = None
     try:
         _run(job)
     except Exception as exc:
         error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
     outcomes = all_gather_json(
-        error, members, timeout_s=timeout_s, what=f"the end of saving {tag!r}"
+        error, job.members, timeout_s=job.timeout_s, what=f"the end of saving {job.tag!r}"
     )
     failures = [f"rank {r}: {e}" for r, e in enumerate(outcomes) if e is not None]
-    if failures and members.rank == 0:  # every rank is past its writes: nobody needs it now
-        _publish.remove_tree(tmp_dir)
+    if failures and job.members.rank == 0:  # every rank is past its writes: nobody needs it
+        _publish.remove_tree(job.tmp_dir)
     handle._finish(CheckpointError("; ".join(failures)) if failures else None)
     handle.wait()
-    return handle
 
 
 def _in_background(job: _Job, handle: SaveHandle) -> None:

@@ -18,12 +18,12 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from deepshard.checkpoint._hash_threads import HashThreads
 from deepshard.interface.errors import CheckpointError
 
 __all__ = [
@@ -151,16 +151,18 @@ def write_safetensors(
     entries: Sequence[tuple[str, torch.Tensor]],
     *,
     halfway: Callable[[], None] | None = None,
+    hashers: HashThreads | None = None,
 ) -> FileDigest:
     """Write CPU, contiguous ``entries`` to ``path``, fsync it, and return its digests.
 
-    Two helper threads hash each chunk (the whole file, and its blocks) while this thread
-    writes it; hashlib and file writes release the GIL, so the three overlap.
+    With ``hashers``, two helper threads hash each chunk (the whole file, and its blocks)
+    while this thread writes it; hashlib and file writes release the GIL, so the three overlap.
 
     Args:
         path: The file to create (it must not exist).
         entries: ``(key, tensor)`` pairs in file order.
         halfway: Called once when half of the data is written (a save hook).
+        hashers: At least two `HashThreads` (else hashing runs on this thread).
     """
     for name, tensor in entries:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -168,17 +170,21 @@ def write_safetensors(
     header = _header(entries)
     total = sum(t.numel() * t.element_size() for _, t in entries)
     whole, blocks = hashlib.sha256(), _BlockHasher()
-    with open(path, "xb") as handle, ThreadPoolExecutor(2, "deepshard-checkpoint-hash") as pool:
+    with open(path, "xb") as handle:
         head = struct.pack("<Q", len(header)) + header
         for chunk in (head, *_chunks(entries, total // 2 if halfway is not None else -1)):
             if chunk is None:
                 handle.flush()
                 halfway()  # type: ignore[misc]  # chunks are None only when halfway is set
                 continue
-            hashed = (pool.submit(whole.update, chunk), pool.submit(blocks.feed, chunk))
+            if hashers is None:
+                whole.update(chunk)
+                blocks.feed(chunk)
+                handle.write(chunk)
+                continue
+            wait = hashers.start([(whole.update, chunk), (blocks.feed, chunk)])
             handle.write(chunk)
-            for future in hashed:
-                future.result()
+            wait()
         handle.flush()
         os.fsync(handle.fileno())
     return FileDigest(whole.hexdigest(), len(head) + total, tuple(blocks.finish()))

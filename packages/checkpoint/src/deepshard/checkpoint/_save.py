@@ -33,6 +33,7 @@ import torch
 
 from deepshard.checkpoint import _publish
 from deepshard.checkpoint._exchange import Members, all_gather_json, members_of
+from deepshard.checkpoint._hash_threads import HashThreads
 from deepshard.checkpoint._layout import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -107,6 +108,7 @@ class _Job:
     keep_last: int | None
     hooks: SaveHooks | None
     timeout_s: float
+    hashers: HashThreads | None = None
 
     def reached(self, point: Any) -> None:
         if self.hooks is not None:
@@ -123,7 +125,10 @@ def _write_part(job: _Job) -> None:
     try:
         job.reached("before_files")
         digest = write_safetensors(
-            job.tmp_dir / report["file"], job.plan.entries, halfway=lambda: job.reached("mid_file")
+            job.tmp_dir / report["file"],
+            job.plan.entries,
+            halfway=lambda: job.reached("mid_file"),
+            hashers=job.hashers,
         )
         report.update(sha256=digest.sha256, size=digest.size, blocks=list(digest.blocks))
         report["pieces"] = job.plan.pieces
@@ -208,7 +213,11 @@ def _publish_tag(job: _Job) -> Path:
 
 
 def _run(job: _Job) -> Path:
-    _write_part(job)
+    try:
+        _write_part(job)
+    finally:
+        if job.hashers is not None:
+            job.hashers.close()
     if job.members.rank == 0:
         return _publish_tag(job)
     return job.save_dir / job.tag
@@ -303,7 +312,17 @@ def save(
     tmp_dir = _start(root, tag, members, timeout_s)
     plan = _snapshot(plan_rank(items, members.rank), copy=async_save)
     job = _Job(
-        members, root, tmp_dir, tag, plan, document, save_latest, keep_last, hooks, timeout_s
+        members,
+        root,
+        tmp_dir,
+        tag,
+        plan,
+        document,
+        save_latest,
+        keep_last,
+        hooks,
+        timeout_s,
+        HashThreads(),  # started here: the writer may run while the interpreter exits
     )
     handle = SaveHandle(root / tag)
     if async_save:

@@ -153,3 +153,14 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="do not cover the tensor once"):
         save({"x": ShardedTensor(torch.ones(2), half, 0)}, tmp_path, tag="t")
     assert list_tags(tmp_path) == []
+
+
+def test_module_parameters_load_in_place(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source, fresh = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    save(dict(source.named_parameters()), tmp_path, tag="t")
+    weight = fresh.weight
+    load(tmp_path, dict(fresh.named_parameters()))
+    assert fresh.weight is weight and weight.requires_grad and weight.grad_fn is None
+    pairs = zip(source.parameters(), fresh.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)

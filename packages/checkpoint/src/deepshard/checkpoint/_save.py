@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -94,6 +95,10 @@ class SaveHandle:
 
     def _wait_at_exit(self) -> None:
         self._done.wait()
+        if self._error is not None:  # nobody is left to raise it to
+            print(
+                f"deepshard.checkpoint: saving {self.path} failed: {self._error}", file=sys.stderr
+            )
 
 
 @dataclass(frozen=True)

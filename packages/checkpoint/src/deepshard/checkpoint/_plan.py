@@ -11,7 +11,7 @@ and checks that together they cover every tensor exactly once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -136,8 +136,3 @@ def merge_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, A
             ) from exc
         tensors[name] = {"shard_map": smap.to_json(), "files": files.get(name, {})}
     return tensors
-
-
-def with_rank(piece: ShardPiece, rank: int) -> ShardPiece:
-    """``piece`` held by ``rank`` alone."""
-    return replace(piece, rank=rank, replicas=())

@@ -355,9 +355,16 @@ def _run_and_agree(job: _Job, handle: SaveHandle) -> None:
         _run(job)
     except Exception as exc:
         error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-    outcomes = all_gather_json(
-        error, job.members, timeout_s=job.timeout_s, what=f"the end of saving {job.tag!r}"
-    )
+    try:
+        outcomes = all_gather_json(
+            error, job.members, timeout_s=job.timeout_s, what=f"the end of saving {job.tag!r}"
+        )
+    except CheckpointError as exc:  # a rank is gone: say what this rank saw first
+        if job.members.rank == 0:
+            _publish.remove_tree(job.tmp_dir)
+        if error is None:
+            raise
+        raise CheckpointError(f"rank {job.members.rank}: {error}; then {exc}") from exc
     failures = [f"rank {r}: {e}" for r, e in enumerate(outcomes) if e is not None]
     if failures and job.members.rank == 0:  # every rank is past its writes: nobody needs it
         _publish.remove_tree(job.tmp_dir)

@@ -21,6 +21,7 @@ __all__ = [
     "ShardedTensor",
     "StateValue",
     "check_sharded",
+    "state_items",
 ]
 
 JSONValue: TypeAlias = Any

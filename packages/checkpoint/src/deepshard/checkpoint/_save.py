@@ -114,6 +114,7 @@ class _Job:
     hooks: SaveHooks | None
     timeout_s: float
     hashers: HashThreads | None = None
+    max_file_bytes: int | None = None
 
     def reached(self, point: Any) -> None:
         if self.hooks is not None:
@@ -124,18 +125,45 @@ def _report_path(tmp_dir: Path, rank: int) -> Path:
     return tmp_dir / f".report-{rank:05d}.json"
 
 
+def _split(
+    entries: list[tuple[str, torch.Tensor]], max_bytes: int | None
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Entries grouped into files of at most ``max_bytes`` (a larger entry gets its own)."""
+    parts: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in entries:
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_bytes is not None and parts[-1] and size + nbytes > max_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append((name, tensor))
+        size += nbytes
+    return parts
+
+
 def _write_part(job: _Job) -> None:
     rank, world = job.members.rank, job.members.world_size
-    report: dict[str, Any] = {"rank": rank, "file": data_file_name(rank, world), "error": None}
+    report: dict[str, Any] = {"rank": rank, "error": None, "files": [], "entry_file": {}}
     try:
         job.reached("before_files")
-        digest = write_safetensors(
-            job.tmp_dir / report["file"],
-            job.plan.entries,
-            halfway=lambda: job.reached("mid_file"),
-            hashers=job.hashers,
-        )
-        report.update(sha256=digest.sha256, size=digest.size, blocks=list(digest.blocks))
+        parts = _split(job.plan.entries, job.max_file_bytes)
+        for index, entries in enumerate(parts):
+            file = data_file_name(rank, world, index if len(parts) > 1 else None)
+            digest = write_safetensors(
+                job.tmp_dir / file,
+                entries,
+                halfway=(lambda: job.reached("mid_file")) if index == 0 else None,
+                hashers=job.hashers,
+            )
+            report["files"].append(
+                {
+                    "file": file,
+                    "sha256": digest.sha256,
+                    "size": digest.size,
+                    "blocks": digest.blocks,
+                }
+            )
+            report["entry_file"].update({name: file for name, _ in entries})
         report["pieces"] = job.plan.pieces
         report["shapes"] = {k: [list(s), d] for k, (s, d) in job.plan.shapes.items()}
     except BaseException as exc:
@@ -180,14 +208,15 @@ def _version(dist_name: str) -> str:
 def _publish_tag(job: _Job) -> Path:
     reports = _await_reports(job)
     files = {
-        r["file"]: {
+        f["file"]: {
             "rank": r["rank"],
-            "sha256": r["sha256"],
-            "size": r["size"],
+            "sha256": f["sha256"],
+            "size": f["size"],
             "block_bytes": BLOCK_BYTES,
-            "block_sha256": r["blocks"],
+            "block_sha256": list(f["blocks"]),
         }
         for r in reports
+        for f in r["files"]
     }
     document = {
         "format": FORMAT_NAME,
@@ -280,6 +309,7 @@ def save(
     hooks: SaveHooks | None = None,
     after: SaveHandle | None = None,
     timeout_s: float = 600.0,
+    max_file_bytes: int | None = None,
 ) -> SaveHandle:
     """Save ``state`` to ``save_dir/<tag>/``; collective over ``group``.
 
@@ -298,6 +328,8 @@ def save(
         hooks: Told of each `SavePoint` (crash-injection tests).
         after: A previous background save to wait for first; its error is raised here.
         timeout_s: Longest wait for the other ranks at any step.
+        max_file_bytes: Split each rank's data into files of at most this many bytes (an
+            entry larger than that gets a file of its own); one file per rank when ``None``.
 
     Returns:
         A `SaveHandle`, already done unless ``async_save``.
@@ -312,6 +344,8 @@ def save(
     document = _check_metadata(metadata)
     if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
         raise CheckpointError(f"keep_last={keep_last!r} must be an int >= 1, or None to keep all")
+    if max_file_bytes is not None and (isinstance(max_file_bytes, bool) or max_file_bytes < 1):
+        raise CheckpointError(f"max_file_bytes={max_file_bytes!r} must be >= 1, or None")
     members = members_of(group)
     root = Path(save_dir)
     tmp_dir = _start(root, tag, members, timeout_s)
@@ -328,6 +362,7 @@ def save(
         hooks,
         timeout_s,
         HashThreads(),  # started here: the writer may run while the interpreter exits
+        max_file_bytes,
     )
     handle = SaveHandle(root / tag)
     if async_save:

@@ -1,0 +1,287 @@
+"""``load`` into live shards (resharding on the fly) and consolidated loading in one process.
+
+A load first checks the files: every rank checks the size of every file, plans its copies,
+and hashes (on a thread pool) the 16 MiB blocks holding the bytes it will read, against the
+per-block SHA-256 the save recorded, so it verifies what it uses without reading the rest;
+then the ranks agree that all checks passed before anything is written into the caller's
+tensors. Filling is `_reshard`'s copies, read with ``safe_open(...).get_slice``, which maps the
+file and reads only the requested range. A final exchange makes an error on one rank an error
+on all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from deepshard.checkpoint._exchange import Members, all_gather_json, members_of
+from deepshard.checkpoint._handle import SaveHandle
+from deepshard.checkpoint._layout import read_metadata, resolve_tag_dir, tag_dir_of
+from deepshard.checkpoint._reshard import Copy, apply_copies, plan_copies, source_ranges
+from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, block_sha256, read_header, sha256_of
+from deepshard.checkpoint._types import LoadResult, ShardedTensor, StateValue, state_items
+from deepshard.comm import Group
+from deepshard.interface import ShardMap, ShardPiece
+from deepshard.interface.errors import CheckpointError
+
+__all__ = ["load", "load_state_dict_from_checkpoint", "torch_dtype"]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a shard map names (``"bfloat16"``)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata")
+    return dtype
+
+
+def check_file(path: Path, expected: Mapping[str, Any], *, checksum: bool) -> None:
+    """Raise `CheckpointError` naming ``path`` if it is missing, truncated or tampered with."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from exc
+    if size != expected["size"]:
+        raise CheckpointError(
+            f"{path} has {size} bytes, the metadata says {expected['size']}: it is truncated "
+            "or was replaced; restore it or load another tag"
+        )
+    if checksum and sha256_of(path).sha256 != expected["sha256"]:
+        raise CheckpointError(
+            f"{path} does not match its SHA-256 in the metadata: it is corrupt or was modified; "
+            "restore it or load another tag"
+        )
+
+
+class _Reader:
+    """Opens each data file once and reads flat ranges of its entries."""
+
+    def __init__(self, tag_dir: Path, stack: contextlib.ExitStack) -> None:
+        self.tag_dir = tag_dir
+        self.stack = stack
+        self.handles: dict[str, Any] = {}
+
+    def reader(self, name: str, files: Mapping[str, str]) -> Any:
+        def read(rank: int, start: int, stop: int) -> torch.Tensor:
+            file = files.get(str(rank))
+            if file is None:
+                raise CheckpointError(f"{name}: the metadata names no file for rank {rank}'s shard")
+            try:
+                if file not in self.handles:
+                    opened = safe_open(self.tag_dir / file, framework="pt")
+                    self.handles[file] = self.stack.enter_context(opened)
+                data: torch.Tensor = self.handles[file].get_slice(name)[start:stop]
+                return data
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(
+                    f"{self.tag_dir / file}: cannot read {name!r} ({exc}); the file is damaged"
+                ) from exc
+
+        return read
+
+
+def _target(name: str, value: StateValue, rank: int) -> tuple[torch.Tensor, ShardMap, int, bool]:
+    local = value.local if isinstance(value, ShardedTensor) else value
+    if not local.is_contiguous():
+        raise CheckpointError(
+            f"{name}: load fills tensors in place, and this one is not contiguous; pass a "
+            "contiguous view of the live storage"
+        )
+    if isinstance(value, ShardedTensor):
+        return local.view(-1), value.shard_map, value.rank, value.linear
+    shape = tuple(local.shape)
+    dtype = str(local.dtype).removeprefix("torch.")
+    whole = ShardMap(shape, dtype, (ShardPiece(rank, tuple(0 for _ in shape), shape),))
+    return local.view(-1), whole, rank, True
+
+
+def _keys(
+    meta: Mapping[str, Any], names: list[str], strict: bool
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    saved = set(meta["tensors"])
+    missing = tuple(n for n in names if n not in saved)
+    unexpected = tuple(sorted(saved - set(names)))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"the checkpoint and `like` differ: missing from the checkpoint {list(missing)[:8]}, "
+            f"not asked for {list(unexpected)[:8]}; pass strict=False to load the common keys"
+        )
+    return missing, unexpected
+
+
+@dataclass(frozen=True)
+class _Task:
+    """The copies filling one tensor of ``like``."""
+
+    name: str
+    dest: torch.Tensor
+    copies: list[Copy]
+    files: dict[str, str]
+    itemsize: int
+
+
+def _plan(meta: Mapping[str, Any], items: list[tuple[str, StateValue]], rank: int) -> list[_Task]:
+    tasks = []
+    for name, value in items:
+        entry = meta["tensors"].get(name)
+        if entry is None:
+            continue
+        dest, target, target_rank, linear = _target(name, value, rank)
+        saved = ShardMap.from_json(entry["shard_map"])
+        copies = plan_copies(name, saved, target, target_rank, linear)
+        itemsize = torch_dtype(saved.dtype).itemsize
+        tasks.append(_Task(name, dest, copies, dict(entry["files"]), itemsize))
+    return tasks
+
+
+def _needed_blocks(tag_dir: Path, tasks: list[_Task]) -> dict[str, set[int]]:
+    """The hashed blocks of each file holding bytes the ``tasks`` read (their bounding ranges)."""
+    headers: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}
+    needed: dict[str, set[int]] = {}
+    for task in tasks:
+        for rank, (lo, hi) in source_ranges(task.copies).items():
+            file = task.files.get(str(rank))
+            if file is None:
+                raise CheckpointError(f"{task.name}: the metadata names no file for rank {rank}")
+            if file not in headers:
+                headers[file] = read_header(tag_dir / file)
+            data_start, spans = headers[file]
+            if task.name not in spans:
+                raise CheckpointError(f"{tag_dir / file} has no entry {task.name!r}; it is damaged")
+            first = data_start + spans[task.name][0] + lo * task.itemsize
+            last = data_start + spans[task.name][0] + hi * task.itemsize - 1
+            needed.setdefault(file, set()).update(
+                range(first // BLOCK_BYTES, last // BLOCK_BYTES + 1)
+            )
+    return needed
+
+
+def _check_blocks(tag_dir: Path, meta: Mapping[str, Any], needed: dict[str, set[int]]) -> None:
+    jobs = [(file, index) for file, blocks in sorted(needed.items()) for index in sorted(blocks)]
+    workers = max(1, min(8, os.cpu_count() or 1, len(jobs)))
+    with ThreadPoolExecutor(workers, "deepshard-checkpoint-verify") as pool:
+        digests = pool.map(lambda job: block_sha256(tag_dir / job[0], job[1]), jobs)
+        for (file, index), digest in zip(jobs, digests, strict=True):
+            expected = meta["files"][file]["block_sha256"]
+            if index >= len(expected) or digest != expected[index]:
+                start = index * BLOCK_BYTES
+                raise CheckpointError(
+                    f"{tag_dir / file} does not match its SHA-256 in the metadata (bytes "
+                    f"[{start}, {start + BLOCK_BYTES})): it is corrupt or was modified; restore "
+                    "it or load another tag"
+                )
+
+
+def _check_files(tag_dir: Path, meta: Mapping[str, Any], *, checksum: bool) -> None:
+    for file, expected in sorted(meta["files"].items()):
+        check_file(tag_dir / file, expected, checksum=checksum)
+
+
+def _apply(tag_dir: Path, tasks: list[_Task]) -> int:
+    """Perform the tasks' copies; return the number of tensor bytes read."""
+    bytes_read = 0
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        reader = _Reader(tag_dir, stack)
+        for task in tasks:
+            elements = apply_copies(task.dest, task.copies, reader.reader(task.name, task.files))
+            bytes_read += elements * task.itemsize
+    return bytes_read
+
+
+def _agree(members: Members, error: str | None, what: str, timeout_s: float) -> None:
+    outcomes = all_gather_json(error, members, timeout_s=timeout_s, what=what)
+    failures = [f"rank {r}: {e}" for r, e in enumerate(outcomes) if e is not None]
+    if failures:
+        raise CheckpointError("; ".join(failures))
+
+
+def _attempt(step: Any) -> str | None:
+    try:
+        step()
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def load(
+    load_dir: str | os.PathLike[str],
+    like: Mapping[str, StateValue],
+    *,
+    tag: str | None = None,
+    group: Group | None = None,
+    strict: bool = True,
+    verify_checksums: bool = True,
+    after: SaveHandle | None = None,
+    timeout_s: float = 600.0,
+) -> LoadResult:
+    """Fill the tensors of ``like`` in place from a checkpoint; collective over ``group``.
+
+    Args:
+        load_dir: The checkpoint directory (the parent of the tags).
+        like: What to fill: replicated tensors (filled whole on every rank) and
+            `ShardedTensor` values (each rank's pieces), in any layout; the checkpoint is
+            resharded to it.
+        tag: The tag to read; ``None`` reads the one ``latest`` names.
+        group: The ranks loading; the world by default, none without ``torch.distributed``.
+        strict: Refuse keys present on one side only.
+        verify_checksums: Check the SHA-256 of every block of the files this rank reads
+            before filling anything (every file's size is always checked).
+        after: A background save to wait for first (its error is raised here).
+        timeout_s: Longest wait for the other ranks.
+
+    Raises:
+        CheckpointError: No such tag, damaged files, mismatched keys or shapes.
+    """
+    if after is not None:
+        after.wait()
+    items = state_items(like)
+    members = members_of(group)
+    found: dict[str, Any] = {}
+
+    def check() -> None:
+        found["dir"] = resolve_tag_dir(load_dir, tag)
+        found["meta"] = read_metadata(found["dir"])
+        found["keys"] = _keys(found["meta"], [n for n, _ in items], strict)
+        _check_files(found["dir"], found["meta"], checksum=False)
+        found["tasks"] = _plan(found["meta"], items, members.rank)
+        if verify_checksums:
+            _check_blocks(found["dir"], found["meta"], _needed_blocks(found["dir"], found["tasks"]))
+
+    _agree(members, _attempt(check), "the checkpoint checks", timeout_s)
+
+    def fill() -> None:
+        found["read"] = _apply(found["dir"], found["tasks"])
+
+    _agree(members, _attempt(fill), "the end of loading", timeout_s)
+    missing, unexpected = found["keys"]
+    metadata = dict(found["meta"]["metadata"])
+    return LoadResult(found["dir"], metadata, missing, unexpected, found["read"])
+
+
+def load_state_dict_from_checkpoint(
+    path_or_dir: str | os.PathLike[str], tag: str | None = None, *, verify_checksums: bool = True
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whole, on CPU, in this process (no process group).
+
+    Args:
+        path_or_dir: A tag directory, or the checkpoint directory (then ``tag`` or ``latest``).
+        tag: The tag when ``path_or_dir`` is the checkpoint directory.
+        verify_checksums: Check every file's SHA-256 first.
+    """
+    tag_dir = tag_dir_of(path_or_dir, tag)
+    meta = read_metadata(tag_dir)
+    _check_files(tag_dir, meta, checksum=verify_checksums)
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in sorted(meta["tensors"].items()):
+        smap = entry["shard_map"]
+        out[name] = torch.empty(tuple(smap["global_shape"]), dtype=torch_dtype(smap["dtype"]))
+    _apply(tag_dir, _plan(meta, list(out.items()), 0))
+    return out

@@ -1,0 +1,226 @@
+"""Writing safetensors files by streaming, hashing on the way, and reading byte ranges back.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's
+dtype, shape and ``[begin, end)`` byte offsets into the data section; padded with spaces to a
+multiple of 8 bytes) and the tensors' raw bytes. Writing it here rather than through
+``safetensors.torch.save_file`` lets the writer stream each tensor straight from its memory
+(no second copy of the whole file in RAM), compute the file's SHA-256 as it goes, fsync it,
+and tell the save hooks when it is half written. Reading uses the ``safetensors`` library
+(``safe_open(...).get_slice``), which maps the file and reads only the ranges asked for, and
+proves the files are standard.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from deepshard.checkpoint._hash_threads import HashThreads
+from deepshard.interface.errors import CheckpointError
+
+__all__ = [
+    "BLOCK_BYTES",
+    "DTYPE_CODES",
+    "FileDigest",
+    "block_sha256",
+    "read_header",
+    "sha256_of",
+    "write_safetensors",
+]
+
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+"""The safetensors name of each dtype a checkpoint can hold."""
+
+_CHUNK = 16 << 20  # bytes per write: large enough for disk speed, small enough to overlap
+BLOCK_BYTES = 16 << 20
+"""Size of the independently hashed blocks of a data file."""
+
+
+class FileDigest(NamedTuple):
+    """The SHA-256 and size of a written file.
+
+    Attributes:
+        sha256: The hex digest of the whole file.
+        size: Its length in bytes.
+        blocks: The SHA-256 of each `BLOCK_BYTES` block from the file's start (the last may
+            be shorter), so that a reader can check just the blocks it reads.
+    """
+
+    sha256: str
+    size: int
+    blocks: tuple[str, ...] = ()
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    # ctypes over the tensor's own memory: no numpy (not a dependency) and no copy; the caller
+    # keeps the tensor alive while the view is used.
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _header(entries: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in entries:
+        if tensor.dtype not in DTYPE_CODES:
+            raise CheckpointError(
+                f"{name}: dtype {tensor.dtype} cannot be stored in safetensors; cast it to one "
+                f"of {sorted(str(d) for d in DTYPE_CODES)}"
+            )
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": DTYPE_CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return text + b" " * (-len(text) % 8)
+
+
+class _BlockHasher:
+    """SHA-256 of each ``BLOCK_BYTES`` block of a file, fed in arbitrary pieces."""
+
+    def __init__(self) -> None:
+        self.digests: list[str] = []
+        self._current = hashlib.sha256()
+        self._filled = 0
+
+    def feed(self, data: memoryview | bytes) -> None:
+        view = memoryview(data)
+        while len(view):
+            take = min(len(view), BLOCK_BYTES - self._filled)
+            self._current.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == BLOCK_BYTES:
+                self.finish()
+
+    def finish(self) -> list[str]:
+        if self._filled:
+            self.digests.append(self._current.hexdigest())
+            self._current, self._filled = hashlib.sha256(), 0
+        return self.digests
+
+
+def _chunks(entries: Sequence[tuple[str, torch.Tensor]], half: int) -> Iterator[memoryview | None]:
+    """The data section in chunks of at most ``_CHUNK`` bytes; ``None`` once ``half`` is reached."""
+    written = 0
+    if half == 0:
+        yield None
+    for _, tensor in entries:
+        view = _bytes_of(tensor)
+        start = 0
+        while start < len(view):
+            # Stop a chunk at the half-way byte so the hook sees a genuinely partial file.
+            stop = min(start + _CHUNK, len(view))
+            if written < half < written + stop - start:
+                stop = start + half - written
+            yield view[start:stop]
+            written += stop - start
+            start = stop
+            if written == half:
+                yield None
+
+
+def write_safetensors(
+    path: Path,
+    entries: Sequence[tuple[str, torch.Tensor]],
+    *,
+    halfway: Callable[[], None] | None = None,
+    hashers: HashThreads | None = None,
+) -> FileDigest:
+    """Write CPU, contiguous ``entries`` to ``path``, fsync it, and return its digests.
+
+    With ``hashers``, two helper threads hash each chunk (the whole file, and its blocks)
+    while this thread writes it; hashlib and file writes release the GIL, so the three overlap.
+
+    Args:
+        path: The file to create (it must not exist).
+        entries: ``(key, tensor)`` pairs in file order.
+        halfway: Called once when half of the data is written (a save hook).
+        hashers: At least two `HashThreads` (else hashing runs on this thread).
+    """
+    for name, tensor in entries:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise CheckpointError(f"{name}: internal error, tensor to write is not contiguous CPU")
+    header = _header(entries)
+    total = sum(t.numel() * t.element_size() for _, t in entries)
+    whole, blocks = hashlib.sha256(), _BlockHasher()
+    with open(path, "xb") as handle:
+        head = struct.pack("<Q", len(header)) + header
+        for chunk in (head, *_chunks(entries, total // 2 if halfway is not None else -1)):
+            if chunk is None:
+                handle.flush()
+                halfway()  # type: ignore[misc]  # chunks are None only when halfway is set
+                continue
+            if hashers is None:
+                whole.update(chunk)
+                blocks.feed(chunk)
+                handle.write(chunk)
+                continue
+            wait = hashers.start([(whole.update, chunk), (blocks.feed, chunk)])
+            handle.write(chunk)
+            wait()
+        handle.flush()
+        os.fsync(handle.fileno())
+    return FileDigest(whole.hexdigest(), len(head) + total, tuple(blocks.finish()))
+
+
+def sha256_of(path: Path) -> FileDigest:
+    """The digest of an existing file (read in chunks)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return FileDigest(digest.hexdigest(), size)
+
+
+def block_sha256(path: Path, index: int) -> str:
+    """The SHA-256 of block ``index`` of ``path`` (see `FileDigest.blocks`)."""
+    with open(path, "rb") as handle:
+        handle.seek(index * BLOCK_BYTES)
+        return hashlib.sha256(handle.read(BLOCK_BYTES)).hexdigest()
+
+
+def read_header(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """``(data_start, {key: (begin, end)})``: where each entry's bytes sit in the file."""
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        spans = {
+            k: (int(v["data_offsets"][0]), int(v["data_offsets"][1]))
+            for k, v in header.items()
+            if k != "__metadata__"
+        }
+    except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{path}: unreadable safetensors header ({exc}); the file is damaged"
+        ) from exc
+    return 8 + length, spans

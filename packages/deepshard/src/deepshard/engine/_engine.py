@@ -183,7 +183,7 @@ class DeepShardEngine(EngineReads, EngineStates, EngineFeatures, EngineCompile, 
             precision.forward_context(self.device.type),
             saved_tensors,
         ):
-            args, kwargs = precision.inputs(args, kwargs)
+            args, kwargs = precision.inputs(*self._curriculum_inputs(args, kwargs))
             if self._compiled_forward is not None:
                 return self._compiled_forward(*args, **kwargs)
             return self.module(*args, **kwargs)

@@ -91,8 +91,11 @@ _PLANNED = (
         FeatureStatus(key, "planned", feature, _ENGINE, When("true"), fix=_SET_FALSE)
         for key, feature in (
             ("elasticity.enabled", "elastic batch sizing"),
-            ("curriculum_learning.enabled", "legacy curriculum learning"),
-            ("data_efficiency.enabled", "data efficiency (curriculum sampling, random-LTD)"),
+            ("data_efficiency.data_routing.enabled", "data routing (random-LTD)"),
+            (
+                "data_efficiency.data_sampling.dynamic_batching.enabled",
+                "dynamic batching by a token budget",
+            ),
         )
     ),
 )

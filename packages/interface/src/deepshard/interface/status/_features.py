@@ -90,7 +90,6 @@ _PLANNED = (
     *(
         FeatureStatus(key, "planned", feature, _ENGINE, When("true"), fix=_SET_FALSE)
         for key, feature in (
-            ("elasticity.enabled", "elastic batch sizing"),
             ("data_efficiency.data_routing.enabled", "data routing (random-LTD)"),
             (
                 "data_efficiency.data_sampling.dynamic_batching.enabled",

@@ -159,8 +159,8 @@ def test_each_bad_config_is_a_config_error_naming_the_key(
         ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
         ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
         (
-            {"elasticity": {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [2]}},
-            "elasticity.enabled",
+            {"data_efficiency": {"data_routing": {"enabled": True}}},
+            "data_efficiency.data_routing.enabled",
         ),
         (
             {"torch_autocast": {"enabled": True, "lower_precision_safe_modules": []}},

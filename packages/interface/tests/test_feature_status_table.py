@@ -141,17 +141,18 @@ def test_the_status_tables_import_without_torch() -> None:
     assert result.stdout.strip() == "False"
 
 
-def test_cpu_checkpointing_is_available_and_the_other_checkpointing_keys_are_reported() -> None:
-    offload = DeepShardConfig.model_validate(
-        {"activation_checkpointing": {"cpu_checkpointing": True}}
-    )
-    assert status_of("activation_checkpointing.cpu_checkpointing") is None
-    assert asked_features(offload, "ignored") == []
-    assert ignored_keys(offload) == []
-    both = DeepShardConfig.model_validate(
-        {"activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": True}}
-    )
-    assert [row.key for row in asked_features(both, "ignored")] == [
-        "activation_checkpointing.partition_activations"
-    ]
-    assert ignored_keys(both) == ["activation_checkpointing.partition_activations"]
+def test_every_activation_checkpointing_key_is_available() -> None:
+    # deepshard.engine.checkpointing runs them all (engine.checkpointing), so none is reported
+    keys = {
+        "partition_activations": True,
+        "cpu_checkpointing": True,
+        "contiguous_memory_optimization": True,
+        "number_checkpoints": 4,
+        "synchronize_checkpoint_boundary": True,
+        "profile": True,
+    }
+    config = DeepShardConfig.model_validate({"activation_checkpointing": keys})
+    for key in keys:
+        assert status_of(f"activation_checkpointing.{key}") is None
+    assert asked_features(config, "ignored") == []
+    assert ignored_keys(config) == []

@@ -12,6 +12,7 @@ settings are checked here in code.
 
 from __future__ import annotations
 
+from deepshard.engine.curriculum import curriculum_problems
 from deepshard.interface.config import DeepShardConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.interface.status import asked_features, planned_problems
@@ -65,7 +66,8 @@ def check_engine_config(config: DeepShardConfig) -> None:
     zero = zero_problems(config.zero_optimization, gradient_clipping=config.gradient_clipping)
     # ZeRO repeats the table's ZeRO rows (it refuses them when used on its own, too), in the
     # same words: list each problem once.
-    problems = list(dict.fromkeys(planned_problems(config) + _precision_problems(config) + zero))
+    problems = planned_problems(config) + _precision_problems(config) + zero
+    problems = list(dict.fromkeys(problems + curriculum_problems(config)))
     if problems:
         raise ConfigError.from_problems(problems)
 

@@ -23,7 +23,8 @@ A DeepSpeed script may also use ``engine.no_sync()`` (not nested) or
 ``engine.set_gradient_accumulation_boundary(flag)`` to choose the boundary itself, and
 ``engine.save_16bit_model(save_dir)`` (safetensors, `deepshard.engine._export`),
 ``engine.offload_states()`` / ``reload_states()`` and the ``safe_get_*`` / ``safe_set_*``
-accessors (`deepshard.engine._engine_states`). A DeepSpeed
+accessors (`deepshard.engine._engine_states`); ``engine.checkpointing`` checkpoints blocks
+with the ``activation_checkpointing`` settings (`deepshard.engine._engine_features`). A DeepSpeed
 engine name DeepShard leaves out raises an ``AttributeError`` saying what to use instead
 (`deepshard.engine._unsupported`).
 
@@ -46,6 +47,7 @@ from deepshard.comm import CommsLogger, DistInfo, ParallelDims
 from deepshard.engine import _export
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._compile import EngineCompile
+from deepshard.engine._engine_features import EngineFeatures
 from deepshard.engine._engine_reads import EngineReads
 from deepshard.engine._engine_states import EngineStates
 from deepshard.engine._precision import Precision
@@ -107,7 +109,7 @@ def _check_loss(loss: Any, what: str) -> torch.Tensor:
     return loss
 
 
-class DeepShardEngine(EngineReads, EngineStates, EngineCompile, torch.nn.Module):
+class DeepShardEngine(EngineReads, EngineStates, EngineFeatures, EngineCompile, torch.nn.Module):
     """The training engine `deepshard.engine.initialize` returns.
 
     Attributes:
@@ -181,7 +183,7 @@ class DeepShardEngine(EngineReads, EngineStates, EngineCompile, torch.nn.Module)
             precision.forward_context(self.device.type),
             saved_tensors,
         ):
-            args, kwargs = precision.inputs(args, kwargs)
+            args, kwargs = precision.inputs(*self._curriculum_inputs(args, kwargs))
             if self._compiled_forward is not None:
                 return self._compiled_forward(*args, **kwargs)
             return self.module(*args, **kwargs)

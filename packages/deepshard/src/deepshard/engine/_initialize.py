@@ -7,7 +7,8 @@
    compiles (`deepshard.engine._compile`). All of this happens before joining the world.
 2. Join the world (`deepshard.comm.init_distributed`, as ``dist_init_required`` says) and build
    the mesh from the config's topology, unless the caller passes a mesh.
-3. Reconcile the batch sizes for the ranks that read different samples (dp × ep).
+3. Reconcile the batch sizes for the ranks that read different samples (dp × ep); under
+   ``elasticity`` they come from the elastic schedule for that world (`_elastic`).
 4. Move and cast the model (`Precision`), then build the optimizer on its parameters (the
    caller's wins over the config's), wrap it with ZeRO, and build the LR schedule on the wrapper.
 5. Build the loss scaler, the counters, the reporter (with the profiler's wall-clock timers),
@@ -45,6 +46,7 @@ from deepshard.engine._components import (
     select_scheduler,
 )
 from deepshard.engine._dataloader import build_dataloader
+from deepshard.engine._elastic import engine_batch_sizes
 from deepshard.engine._engine import DeepShardEngine, EngineParts
 from deepshard.engine._init_built import check_init_built
 from deepshard.engine._logging import announce, log_all_ranks
@@ -247,7 +249,7 @@ def initialize(
         dims = ParallelDims.build(parsed.topology(world.world_size))
     else:
         dims = parallel_dims(mesh)
-    batch = parsed.resolve_batch(dims.batch_world_size)
+    batch = engine_batch_sizes(parsed, dims.batch_world_size)
     announce(parsed, rank=dims.rank, environ=os.environ)
     device = _device(dims.mesh)
     precision = plan_precision(parsed, device.type)

@@ -8,7 +8,7 @@ Python's usual ``AttributeError``.
 
 Two kinds of entries:
 
-* features DeepShard does not carry, or not yet (pipeline parallelism, curriculum learning,
+* features DeepShard does not carry, or not yet (pipeline parallelism, random-LTD,
   checkpoints until `deepshard.checkpoint` lands, ...), grouped by the reason;
 * DeepSpeed's one-line readers of config keys (``engine.zero_reduce_bucket_size()``): DeepShard's
   engine does not repeat its typed config as methods, so the message names the field to read
@@ -36,9 +36,10 @@ _PIPELINE = (
     "write the loop yourself: loss = engine(batch); engine.backward(loss); engine.step() once "
     "per micro-batch"
 )
-_CURRICULUM = (
-    "DeepShard does not carry DeepSpeed's curriculum learning and data-efficiency library (the "
-    "config refuses those sections); order or filter samples in your own Dataset or Sampler"
+_DATA_ROUTING = (
+    "DeepShard does not carry random-LTD or the data post-processing hook of DeepSpeed's "
+    "data-efficiency library (the config refuses data_routing); curriculum schedules work: "
+    "engine.curriculum_difficulty(metric)"
 )
 _EIGENVALUE = (
     "DeepShard does not carry the Hessian eigenvalue estimator or progressive layer dropping "
@@ -114,6 +115,12 @@ CONFIG_READERS: Mapping[str, str] = MappingProxyType(
         "tensor_parallel_config": "tensor_parallel",
         "autotp_size": "tensor_parallel.autotp_size",
         "elasticity_enabled": "elasticity.enabled",
+        "curriculum_params_legacy": "curriculum_learning",
+        "curriculum_learning_config": "data_efficiency.data_sampling.curriculum_learning",
+        "data_efficiency_enabled": "data_efficiency.enabled",
+        "data_efficiency_config": "data_efficiency",
+        "data_sampling_enabled": "data_efficiency.data_sampling.enabled",
+        "data_sampling_config": "data_efficiency.data_sampling",
     }
 )
 """DeepSpeed's config-reading engine methods, by name, with the config field each one reads
@@ -142,21 +149,12 @@ _FEATURES: dict[str, str] = {
     ),
     **_same(
         (
-            "set_custom_curriculum_learning_schedule",
-            "curriculum_learning_enabled",
-            "curriculum_learning_config",
-            "curriculum_enabled_legacy",
-            "curriculum_params_legacy",
-            "data_efficiency_enabled",
-            "data_efficiency_config",
-            "data_sampling_enabled",
-            "data_sampling_config",
             "random_ltd_enabled",
             "random_ltd_config",
             "random_ltd_initialize",
             "set_data_post_process_func",
         ),
-        _CURRICULUM,
+        _DATA_ROUTING,
     ),
     **_same(
         (

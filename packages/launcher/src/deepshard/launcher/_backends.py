@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from deepshard.launcher._devices import Accelerators
+from deepshard.launcher._elastic import elastic_torchrun_args
 from deepshard.launcher._env import exported_variables
 from deepshard.launcher._ports import is_local_address
 from deepshard.launcher._ranks import NodeRun, node_rank_specs, torchrun_spec
@@ -125,7 +126,19 @@ def _ssh(context: BackendContext, pool: Mapping[str, int]) -> _Built:
 
 
 def _torchrun(context: BackendContext, pool: Mapping[str, int]) -> _Built:
-    layout = context.layout
+    layout, options = context.layout, context.options
+    if options.elastic is not None:  # the agents' own arguments come first, the user's win
+        elastic = elastic_torchrun_args(
+            options.elastic,
+            addr=context.addr,
+            port=context.port,
+            max_restarts=options.max_restarts,
+            num_nodes=layout.num_nodes,
+        )
+        joined = f"{elastic} {options.launcher_args}".strip()
+        context = dataclasses.replace(
+            context, options=dataclasses.replace(options, launcher_args=joined)
+        )
     if layout.num_nodes == 1 and is_local_address(layout.nodes[0].host):
         return [
             torchrun_spec(context.node_run(0), context.options.launcher_args)

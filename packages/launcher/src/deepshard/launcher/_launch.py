@@ -141,7 +141,9 @@ def launch(
         if plan.runs_ranks_here:  # remote node entries check on their node
             check_script(options.run, cwd)
         code, may_restart = _attempt(plan, restart_count, options.run.log_dir, err)
-        if not may_restart or restart_count >= options.max_restarts:
+        # an elastic job's restarts are its agents' (torchrun --max_restarts), not ours
+        limit = 0 if options.elastic is not None else options.max_restarts
+        if not may_restart or restart_count >= limit:
             return code
         restart_count += 1
         err.write(

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from deepshard.interface.errors import LaunchError
 from deepshard.launcher._backends import BUILDERS, BackendContext
 from deepshard.launcher._devices import Accelerators, detect_accelerators
+from deepshard.launcher._elastic import ElasticNodes
 from deepshard.launcher._env import read_env_files
 from deepshard.launcher._hostfile import DEFAULT_HOSTFILE, parse_hostfile
 from deepshard.launcher._ports import (
@@ -61,6 +62,8 @@ class LaunchOptions:
         no_ssh: ``--no_ssh``: run only node ``node_rank`` of the layout, here.
         node_rank: ``--node_rank`` (with ``no_ssh``).
         venv_script: ``--venv_script``, sourced on remote nodes first.
+        elastic: ``--elastic_training`` with its node range (`deepshard.launcher._elastic`),
+            or ``None`` for a fixed job.
     """
 
     run: RunOptions
@@ -79,6 +82,7 @@ class LaunchOptions:
     no_ssh: bool = False
     node_rank: int | None = None
     venv_script: str | None = None
+    elastic: ElasticNodes | None = None
 
     def __post_init__(self) -> None:
         counts = (
@@ -161,6 +165,14 @@ def _pool(options: LaunchOptions, accelerators: Accelerators) -> tuple[dict[str,
 
 
 def _backend(options: LaunchOptions, layout: WorldLayout, from_hostfile: bool) -> str:
+    if options.elastic is not None:
+        if options.no_ssh or options.launcher not in (None, "torchrun"):
+            raise LaunchError(
+                "--elastic_training runs PyTorch's elastic agent (--launcher torchrun); drop "
+                "--no_ssh/--launcher (start one ds-launch per node with the same --master_addr "
+                "and --master_port, or list the nodes in a hostfile)"
+            )
+        return "torchrun"
     if options.no_ssh:
         if options.node_rank is None or not 0 <= options.node_rank < layout.num_nodes:
             raise LaunchError(
@@ -219,10 +231,10 @@ def _rendezvous(
     options: LaunchOptions, layout: WorldLayout, backend: str
 ) -> tuple[str, int, str | None]:
     addr = _master_addr(options, layout, backend)
-    if backend == "no_ssh":  # every node picks the port alone: it must not change
+    if backend == "no_ssh" or options.elastic is not None:  # each node picks it alone
         port = DEFAULT_MASTER_PORT if options.master_port is None else options.master_port
         if not 1 <= port <= 65535:
-            raise LaunchError(f"--no_ssh needs an explicit --master_port in 1-65535, got {port}")
+            raise LaunchError(f"--master_port must be in 1-65535 here, got {port}")
         return addr, port, None
     port, note = resolve_master_port(addr, options.master_port)
     return addr, port, note

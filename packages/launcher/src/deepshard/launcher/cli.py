@@ -84,6 +84,13 @@ def _add_backend(parser: argparse.ArgumentParser) -> None:
         help="how other nodes are reached (default: ssh when the hostfile names other hosts)",
     )
     add("--launcher_args", default="", help="extra ssh/pdsh/srun/mpirun/torchrun arguments")
+    add(
+        "--elastic_training",
+        action="store_true",
+        help="elastic job: torchrun agents in a c10d rendezvous re-form it when nodes come or go",
+    )
+    add("--min_elastic_nodes", type=int, help="elastic: fewest nodes the job runs with (1)")
+    add("--max_elastic_nodes", type=int, help="elastic: most nodes (default: the hostfile's)")
     add("--ssh_port", type=int, help="ssh port of the remote nodes")
     add("--venv_script", help="script sourced on remote nodes before starting")
 
@@ -169,11 +176,15 @@ def _check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.ssh_port is not None and not 1 <= args.ssh_port <= 65535:
         parser.error(f"--ssh_port must be a port (1-65535), got {args.ssh_port}")
+    elastic_counts = args.min_elastic_nodes is not None or args.max_elastic_nodes is not None
+    if elastic_counts and not args.elastic_training:
+        parser.error("--min_elastic_nodes/--max_elastic_nodes need --elastic_training")
     if args.node_rank is not None and not args.no_ssh:
         parser.error("--node_rank is only used with --no_ssh")
 
 
 def _options(args: argparse.Namespace) -> LaunchOptions:
+    from deepshard.launcher._elastic import ElasticNodes
     from deepshard.launcher._plan import LaunchOptions
     from deepshard.launcher._ranks import RunOptions
 
@@ -204,6 +215,11 @@ def _options(args: argparse.Namespace) -> LaunchOptions:
         no_ssh=args.no_ssh,
         node_rank=args.node_rank,
         venv_script=args.venv_script,
+        elastic=ElasticNodes(
+            1 if args.min_elastic_nodes is None else args.min_elastic_nodes, args.max_elastic_nodes
+        )
+        if args.elastic_training
+        else None,
     )
 
 

@@ -2,9 +2,11 @@
 
 The schedules (DeepSpeed's ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``,
 ``LRRangeTest``, and torch's by name) live in ``deepshard.optimizers.schedules`` and are
-re-exported here.
+re-exported here; `add_schedule_arguments` / `schedule_config_from_args` bring DeepSpeed's
+schedule tuning flags (``--lr_schedule``, ``--warmup_*`` ...) into a config.
 """
 
+from deepshard.optimizers._schedule_args import add_schedule_arguments, schedule_config_from_args
 from deepshard.optimizers.adam import Adam, AdamW, CPUAdam
 from deepshard.optimizers.build import build_optimizer
 from deepshard.optimizers.lion import Lion
@@ -31,7 +33,9 @@ __all__ = [
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
+    "add_schedule_arguments",
     "build_optimizer",
     "build_scheduler",
     "muon_update",
+    "schedule_config_from_args",
 ]

@@ -90,34 +90,16 @@ _PLANNED = (
     *(
         FeatureStatus(key, "planned", feature, _ENGINE, When("true"), fix=_SET_FALSE)
         for key, feature in (
-            ("elasticity.enabled", "elastic batch sizing"),
-            ("curriculum_learning.enabled", "legacy curriculum learning"),
-            ("data_efficiency.enabled", "data efficiency (curriculum sampling, random-LTD)"),
+            ("data_efficiency.data_routing.enabled", "data routing (random-LTD)"),
+            (
+                "data_efficiency.data_sampling.dynamic_batching.enabled",
+                "dynamic batching by a token budget",
+            ),
         )
     ),
 )
 
 _IGNORED = (
-    # cpu_checkpointing is available (the engine's forward offloads saved activations); the
-    # rest of DeepSpeed's checkpointing module is not: checkpoint in the model instead.
-    *(
-        FeatureStatus(f"activation_checkpointing.{key}", "ignored", feature, _ENGINE, when)
-        for key, feature, when in (
-            ("partition_activations", "partitioned activation checkpoints", When("true")),
-            (
-                "contiguous_memory_optimization",
-                "one preallocated buffer for checkpointed activations",
-                When("true"),
-            ),
-            ("number_checkpoints", "the size of the contiguous activation buffer", When("given")),
-            (
-                "synchronize_checkpoint_boundary",
-                "device synchronisation at checkpoint boundaries",
-                When("true"),
-            ),
-            ("profile", "timing of checkpointed forward and recomputation", When("true")),
-        )
-    ),
     FeatureStatus("checkpoint", "ignored", "checkpoint options", "deepshard-checkpoint"),
     FeatureStatus(
         "timers",

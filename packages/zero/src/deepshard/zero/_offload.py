@@ -175,6 +175,11 @@ class HostOffload:
         for view, _, _ in mine:
             view.grad = None
 
+    @property
+    def steps(self) -> list[int]:
+        """Steps taken so far per group (the CPU Adam kernel's bias-correction count)."""
+        return list(self._steps)
+
     def masters(self) -> tuple[torch.Tensor, ...]:
         """This rank's fp32 master partitions on the host (a fresh read for NVMe)."""
         return tuple(self.state.whole()[0])

@@ -22,18 +22,29 @@ its holder's coordinate on each mesh axis (``coords``), so the maps written by r
 tensor-, expert- or pipeline-parallel positions can be merged without knowing how their groups
 were built. ``rank`` stays the holder's index in the group spread over ``axes`` (row-major over
 those axes' coordinates, which the map checks). Maps without a mesh are read as before.
+
+A piece may name further holders (``replicas``: ranks keeping an identical copy at the same
+local offset) and a ``scale``: the rank stores ``full * scale`` (a row-parallel layer keeps its
+bias divided by the TP degree on every rank, so that summing the partial outputs adds it once).
+Rebuilding divides the scale out. Optimizer moments do not scale linearly with the parameter
+(Adam's second moment goes with the square of the gradient, and its ``eps`` does not scale at
+all), so moving them through a scaled piece is refused. Coverage checks, ``extract``,
+``rebuild`` and the layout constructors live in `deepshard.interface._shard_layout`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["ShardMap", "ShardPiece"]
+__all__ = ["SHARD_MAP_FORMAT_VERSION", "ShardMap", "ShardPiece"]
+
+SHARD_MAP_FORMAT_VERSION = 2
+"""Version of `ShardMap.to_json`; 1 (no ``format_version`` key) had no scales or replicas."""
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -54,6 +65,8 @@ class ShardPiece:
             several parameters back to back, each 16-byte aligned).
         coords: The holder's coordinate on every axis of the map's ``mesh_axes`` (empty when the
             map names no mesh).
+        scale: The holder stores ``full * scale`` (1.0 for an unscaled piece; never 0).
+        replicas: Further ranks that store an identical copy at the same ``local_offset``.
     """
 
     rank: int
@@ -63,6 +76,27 @@ class ShardPiece:
     flat_stop: int | None = None
     local_offset: int = 0
     coords: tuple[int, ...] = ()
+    scale: float = 1.0
+    replicas: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.flat_stop is None:  # resolved, so that a JSON round trip compares equal
+            object.__setattr__(self, "flat_stop", _numel(self.box_shape))
+        if not math.isfinite(self.scale) or self.scale == 0.0:
+            raise CheckpointError(
+                f"shard piece of rank {self.rank} has scale {self.scale}: a zero or non-finite "
+                "scale cannot be divided out to rebuild the tensor; store the values unscaled"
+            )
+        if self.rank in self.replicas or len(set(self.replicas)) != len(self.replicas):
+            raise CheckpointError(
+                f"shard piece of rank {self.rank} lists replicas {self.replicas}: each holder "
+                "must appear once (the rank itself is not one of its replicas)"
+            )
+
+    @property
+    def holders(self) -> tuple[int, ...]:
+        """Every rank storing this piece: ``rank`` first, then ``replicas``."""
+        return (self.rank, *self.replicas)
 
     @property
     def stop(self) -> int:
@@ -95,6 +129,8 @@ class ShardPiece:
             "flat_stop": self.stop,
             "local_offset": self.local_offset,
             "coords": list(self.coords),
+            "scale": self.scale,
+            "replicas": list(self.replicas),
         }
 
     @classmethod
@@ -109,6 +145,8 @@ class ShardPiece:
                 flat_stop=int(data["flat_stop"]),
                 local_offset=int(data["local_offset"]),
                 coords=tuple(int(x) for x in data.get("coords", ())),
+                scale=float(data.get("scale", 1.0)),
+                replicas=tuple(int(x) for x in data.get("replicas", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"malformed shard piece {data!r}: {exc}") from exc
@@ -216,9 +254,9 @@ class ShardMap:
         return _numel(self.global_shape)
 
     def pieces_of(self, rank: int) -> tuple[ShardPiece, ...]:
-        """The pieces that ``rank`` stores, in local-storage order."""
+        """The pieces that ``rank`` stores (as holder or replica), in local-storage order."""
         return tuple(
-            sorted((p for p in self.pieces if p.rank == rank), key=lambda p: p.local_offset)
+            sorted((p for p in self.pieces if rank in p.holders), key=lambda p: p.local_offset)
         )
 
     def iter_global_flat(self, piece: ShardPiece) -> Iterator[int]:
@@ -243,6 +281,7 @@ class ShardMap:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of the map (what checkpoints store next to the tensors)."""
         return {
+            "format_version": SHARD_MAP_FORMAT_VERSION,
             "global_shape": list(self.global_shape),
             "dtype": self.dtype,
             "axes": list(self.axes),
@@ -254,6 +293,12 @@ class ShardMap:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ShardMap:
         """Read a map written by `to_json`; malformed input is a ``CheckpointError``."""
+        version = data.get("format_version", 1) if isinstance(data, dict) else None
+        if not isinstance(version, int) or not 1 <= version <= SHARD_MAP_FORMAT_VERSION:
+            raise CheckpointError(
+                f"shard map format_version {version!r} is not one this DeepShard reads "
+                f"(1..{SHARD_MAP_FORMAT_VERSION}); upgrade deepshard-interface to read it"
+            )
         try:
             return cls(
                 global_shape=tuple(int(x) for x in data["global_shape"]),
@@ -267,11 +312,17 @@ class ShardMap:
             raise CheckpointError(f"malformed shard map: {exc}") from exc
 
     @classmethod
-    def replicated(cls, global_shape: Sequence[int], dtype: str, ranks: Sequence[int]) -> ShardMap:
-        """A tensor every rank in ``ranks`` holds whole."""
+    def replicated(
+        cls, global_shape: Sequence[int], dtype: str, ranks: Sequence[int], *, scale: float = 1.0
+    ) -> ShardMap:
+        """A tensor every rank in ``ranks`` holds whole, each as ``full * scale``.
+
+        The scale belongs to the replicated map: layouts that pre-divide a value (a row-parallel
+        bias) hold it whole on every rank, while the weight split beside it stays unscaled.
+        """
         shape = tuple(global_shape)
         zero = tuple(0 for _ in shape)
-        return cls(shape, dtype, tuple(ShardPiece(r, zero, shape) for r in ranks))
+        return cls(shape, dtype, tuple(ShardPiece(r, zero, shape, scale=scale) for r in ranks))
 
     @classmethod
     def even_split(
@@ -310,3 +361,74 @@ class ShardMap:
         zero = tuple(0 for _ in shape)
         pieces = tuple(ShardPiece(r, zero, shape, start, stop) for r, start, stop in bounds)
         return cls(shape, dtype, pieces)
+
+    @classmethod
+    def contiguous_split(
+        cls, global_shape: Sequence[int], dtype: str, *, dim: int, sizes: Sequence[int]
+    ) -> ShardMap:
+        """Rank ``r`` holds the next ``sizes[r]`` slices along ``dim`` (uneven sizes allowed)."""
+        from deepshard.interface import _shard_layout
+
+        return _shard_layout.contiguous_split(global_shape, dtype, dim=dim, sizes=sizes)
+
+    @classmethod
+    def sub_parameter(
+        cls,
+        global_shape: Sequence[int],
+        dtype: str,
+        *,
+        dim: int,
+        parts: Sequence[int],
+        world_size: int,
+    ) -> ShardMap:
+        """A fused parameter (QKV, gate_up) whose ``parts`` along ``dim`` are each split."""
+        from deepshard.interface import _shard_layout
+
+        return _shard_layout.sub_parameter(
+            global_shape, dtype, dim=dim, parts=parts, world_size=world_size
+        )
+
+    @classmethod
+    def flat_buffer(
+        cls, shapes: Sequence[Sequence[int]], dtype: str, *, world_size: int, alignment: int = 1
+    ) -> list[ShardMap]:
+        """ZeRO's flat layout: one map per tensor of a buffer cut into equal rank partitions."""
+        from deepshard.interface import _shard_layout
+
+        return _shard_layout.flat_buffer(shapes, dtype, world_size=world_size, alignment=alignment)
+
+    def runs(self, piece: ShardPiece) -> list[tuple[int, int, int]]:
+        """``(global_flat_start, local_flat_start, length)`` of each contiguous run of ``piece``."""
+        from deepshard.interface import _shard_layout
+
+        return _shard_layout.piece_runs(piece, self.global_shape)
+
+    def validate_coverage(self, data: Mapping[int, Sequence[float]] | None = None) -> None:
+        """Check that every element is held exactly once, up to replicas.
+
+        Args:
+            data: Optional flat local storage of each rank; when given, replicas must agree.
+
+        Raises:
+            CheckpointError: A gap, an overlap between different pieces, replicas with
+                different scales, or (with ``data``) replicas holding different values.
+        """
+        from deepshard.interface import _shard_layout
+
+        _shard_layout.validate_coverage(self, data)
+
+    def extract(self, full: Sequence[float], rank: int, *, linear: bool = True) -> list[float]:
+        """``rank``'s flat local storage cut from the row-major ``full`` tensor.
+
+        ``linear`` is True for parameters and their fp32 masters (stored as ``full * scale``);
+        optimizer state (moments, momentum) passes False and is refused when a piece is scaled.
+        """
+        from deepshard.interface import _shard_layout
+
+        return _shard_layout.extract(self, full, rank, linear=linear)
+
+    def rebuild(self, shards: Mapping[int, Sequence[float]], *, linear: bool = True) -> list[float]:
+        """The row-major full tensor from every rank's flat local storage (checks coverage)."""
+        from deepshard.interface import _shard_layout
+
+        return _shard_layout.rebuild(self, shards, linear=linear)

@@ -55,9 +55,9 @@ PACKAGES: tuple[PackageStatus, ...] = (
     PackageStatus(
         "deepshard-checkpoint",
         "deepshard.checkpoint",
-        None,
+        "packages/checkpoint",
         "sharded save/load, universal format, resharding, `ds-checkpoint`",
-        "planned",
+        "available",
     ),
     PackageStatus(
         "deepshard-autotp",

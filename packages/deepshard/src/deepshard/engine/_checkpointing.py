@@ -10,7 +10,8 @@ ZeRO writes back what is not live (offloaded state) and refreshes the model from
 
 The default tag is ``global_step<N>``. With ``checkpoint.tag_validation`` other than ``IGNORE``
 the ranks compare a hash of the tag before writing anything (one all-reduce); ``FAIL`` raises,
-``WARN`` logs and saves.
+``WARN`` logs and saves under rank 0's tag (every rank writes one checkpoint together, so it
+needs one name). ``IGNORE`` trusts the caller, as in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from deepshard.checkpoint import (
     save,
     split_client_state,
 )
-from deepshard.comm import all_reduce
+from deepshard.comm import all_reduce, broadcast
 from deepshard.engine import _checkpoint_state as ck
 from deepshard.engine import _engine_json
 from deepshard.engine._rng_state import RNG_PREFIX, capture_rng, restore_rng
@@ -74,23 +75,36 @@ class EngineCheckpointing:
         group = self._ckpt_group
         return (0, 1) if group is None else (group.rank(), group.size())
 
-    def _validate_tag(self, tag: str) -> None:
+    def _validate_tag(self, tag: str) -> str:
+        """The tag every rank saves under (see the module); refuses or warns on a mismatch."""
         mode = self.parts.config.checkpoint.tag_validation
         group = self._ckpt_group
         if mode == "IGNORE" or group is None or group.size() == 1:
-            return
+            return tag
         digest = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "big")
         both = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
         all_reduce(both, group=group, op="max")
         if int(both[0]) == -int(both[1]):
-            return
+            return tag
         message = (
             f"checkpoint tag {tag!r} differs across ranks (checkpoint.tag_validation={mode}); "
             "pass the same tag on every rank (e.g. derived from engine.global_steps)"
         )
         if mode == "FAIL":
             raise CheckpointError(message)
-        _LOG.warning(message)
+        _LOG.warning("%s; saving under rank 0's tag", message)
+        return self._rank0_tag(tag, group)
+
+    def _rank0_tag(self, tag: str, group: dist.ProcessGroup) -> str:
+        """Rank 0's ``tag`` on every rank (its UTF-8 bytes broadcast, padded to 4 KiB)."""
+        data = tag.encode()[:4096]
+        payload = torch.zeros(4096, dtype=torch.uint8)
+        payload[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        length, payload = length.to(self.device), payload.to(self.device)
+        broadcast(length, group_src=0, group=group)
+        broadcast(payload, group_src=0, group=group)
+        return bytes(payload[: int(length)].cpu().tolist()).decode()
 
     def _wait_for_save(self) -> None:
         if self._pending_save is not None:
@@ -124,7 +138,7 @@ class EngineCheckpointing:
                 a bad ``client_state`` or schedule state, or a failed (earlier) save.
         """
         tag = f"global_step{self.parts.accumulation.global_steps}" if tag is None else str(tag)
-        self._validate_tag(tag)
+        tag = self._validate_tag(tag)
         rank, world = self._rank_and_size()
         client_json, client_tensors = split_client_state(client_state or {}, prefix=_CLIENT)
         tensors = ck.engine_tensors(

@@ -1,6 +1,6 @@
 """``save_checkpoint`` after 5 steps, ``load_checkpoint`` into a fresh engine, 5 more steps:
 bit-identical to 10 uninterrupted steps, at ZeRO stages 0-3 × world 1 and 2 (and stage 3 at
-world 4), bf16 at stage 2.
+world 4), bf16 at stage 2, Muon (its momentum is ZeRO's full-gradient buffer) at stages 2-3.
 
 The run is everything resume must restore: the engine's own data loader (its position in the
 epoch), dropout (torch's CPU generator), input noise from Python's `random`, a WarmupLR
@@ -52,7 +52,9 @@ def _engine(mesh: Any, stage: int, precision: str, seed: int) -> Any:
     config = {
         "train_batch_size": GLOBAL_BATCH,
         "gradient_clipping": 0.5,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}
+        if precision != "fp32-muon"
+        else {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-2, "momentum": 0.95}},
         "scheduler": {
             "type": "WarmupLR",
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 8},
@@ -171,6 +173,8 @@ def test_resume_is_exact_at_world_2(tmp_path: Path) -> None:
         (2, "fp32", True),
         (3, "fp32", True),
         (2, "bf16", False),
+        (2, "fp32-muon", False),
+        (3, "fp32-muon", False),
     ]
     per_rank = run_on_mesh(
         _run, 2, args=(str(tmp_path / "ck"), cases), store_dir=tmp_path, timeout_s=280

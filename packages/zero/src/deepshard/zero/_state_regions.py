@@ -25,6 +25,7 @@ from deepshard.interface import ShardPiece
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:
+    from deepshard.zero._full_grads import BufferAccess
     from deepshard.zero._offload import HostOffload
     from deepshard.zero._param_offload import PartitionHome
     from deepshard.zero._stage3_optimizer import Stage3Optimizer
@@ -81,6 +82,7 @@ class Regions:
         kernel_steps: With the CPU Adam kernel (offload), its step count per offload group.
         offload: The optimizer's offload, if any.
         whole: With offload, what ``offload.state.whole()`` returned (masters, then moments).
+        full: The full-gradient path (Muon's momentum buffers), if any.
     """
 
     regions: list[Region]
@@ -88,6 +90,7 @@ class Regions:
     kernel_steps: list[int] | None = None
     offload: HostOffload | None = None
     whole: list[list[torch.Tensor]] = field(default_factory=list)
+    full: BufferAccess | None = None
 
 
 def _inner_segments(
@@ -137,7 +140,7 @@ def flat_regions(opt: ZeroOptimizer) -> Regions:
                 for p in shard.shard_map.pieces_of(rank)
             )
             params.append(ParamPlace(shard, g, model, flat.buffer.dtype))
-    return Regions(regions, params, steps, offload, whole)
+    return Regions(regions, params, steps, offload, whole, opt._full)
 
 
 def stage3_regions(opt: Stage3Optimizer) -> Regions:
@@ -167,7 +170,7 @@ def stage3_regions(opt: Stage3Optimizer) -> Regions:
             trainable = param.requires_grad
             params.append(ParamPlace(info.shard, plan.index, model, plan.dtype, trainable, writer))
     params.sort(key=lambda p: not p.trainable)
-    return Regions(regions, params, steps, offload, whole)
+    return Regions(regions, params, steps, offload, whole, opt._transforms)
 
 
 def _home_writer(

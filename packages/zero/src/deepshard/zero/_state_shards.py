@@ -8,9 +8,11 @@ what ZeRO exposes is one entry per parameter and *kind*:
 * ``param``: the model's own copy, in the model dtype (stages 0-2 hold it whole; stage 3 its
   partition; a stage-3 frozen parameter has nothing else);
 * ``master``: the fp32 master weights;
-* every per-element state tensor of the inner optimizer (``exp_avg``, ``exp_avg_sq``,
-  ``momentum_buffer``, ``sum``...), found by walking the master views that cover the
-  parameter's piece (a piece straddling two views takes a slice of each).
+* every per-element state tensor of the inner optimizer (``exp_avg``, ``exp_avg_sq``, ``sum``...),
+  found by walking the master views that cover the parameter's piece (a piece straddling two
+  views takes a slice of each);
+* ``momentum_buffer`` of a full-gradient transform (Muon): whole per matrix, one copy on every
+  rank holding a piece of it.
 
 Each entry's `ShardMap` is the parameter's (derived from its placement), with the entry's dtype
 and every rank's pieces laid back to back from local offset 0: the local tensor of a rank is
@@ -29,15 +31,14 @@ is), so a checkpoint can be read into the state in place.
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepshard.interface import ShardMap, ShardPiece
 from deepshard.interface.errors import CheckpointError
+from deepshard.zero._state_entry import StateShard, Writer, joined, rebased, splitter
+from deepshard.zero._state_extra import materialize_buffers, momentum_entries, scalar_entries
 from deepshard.zero._state_regions import ParamPlace, Region, Regions, flat_regions, stage3_regions
 
 if TYPE_CHECKING:
@@ -46,92 +47,9 @@ if TYPE_CHECKING:
 
 __all__ = ["StateShard", "StateShardAccess"]
 
-Writer = Callable[[torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class StateShard:
-    """One tensor of a ZeRO optimizer on this rank.
-
-    Attributes:
-        name: The parameter's fully qualified name (``param_groups.<g>`` for scalar state).
-        kind: ``param``, ``master`` or the inner optimizer's state key (``exp_avg``, ``step``).
-        shard_map: Where every element lives over the data-parallel group; each rank's pieces
-            start at local offset 0 of its local tensor, back to back.
-        tensor: This rank's elements, 1-D (0-d for scalars); a view of live storage where they
-            are contiguous in one tensor, else a copy.
-        frozen: The parameter is not trained (stage 3 keeps frozen parameters partitioned).
-    """
-
-    name: str
-    kind: str
-    shard_map: ShardMap
-    tensor: torch.Tensor
-    frozen: bool = False
-
-    @property
-    def key(self) -> str:
-        """``<name>/<kind>``: the entry's key in a checkpoint."""
-        return f"{self.name}/{self.kind}"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _rebased(smap: ShardMap, dtype: torch.dtype) -> ShardMap:
-    """``smap`` in ``dtype`` with every rank's pieces back to back from local offset 0."""
-    fill: dict[int, int] = {}
-    pieces = []
-    for piece in sorted(smap.pieces, key=lambda p: (p.rank, p.local_offset)):
-        pieces.append(replace(piece, local_offset=fill.get(piece.rank, 0)))
-        fill[piece.rank] = fill.get(piece.rank, 0) + piece.numel
-    return replace(smap, dtype=_dtype_name(dtype), pieces=tuple(pieces))
-
-
-def _replicated(like: Sequence[ShardMap], dtype: torch.dtype, ranks: int) -> ShardMap:
-    """A 0-d tensor every rank of the group holds, on the same mesh as the maps ``like``."""
-    coords = {p.rank: p.coords for smap in like for p in smap.pieces}
-    mesh = like[0] if like else None
-    pieces = tuple(ShardPiece(r, (), (), coords=coords.get(r, ())) for r in range(ranks))
-    if mesh is None or any(not p.coords for p in pieces):
-        return ShardMap((), _dtype_name(dtype), tuple(ShardPiece(r, (), ()) for r in range(ranks)))
-    return ShardMap((), _dtype_name(dtype), pieces, mesh.axes, mesh.mesh_axes, mesh.mesh_shape)
-
 
 def _flat_like(value: object, numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
-
-
-def _joined(
-    parts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    if len(parts) == 1:
-        return parts[0]
-    if not parts:
-        return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat(list(parts))
-
-
-def _splitter(parts: Sequence[torch.Tensor]) -> Writer:
-    """Copies a loaded local tensor into ``parts`` (no copy when it is the one live part)."""
-
-    def write(value: torch.Tensor) -> None:
-        flat = value.reshape(-1)
-        if sum(p.numel() for p in parts) != flat.numel():
-            raise CheckpointError(
-                f"a loaded ZeRO state shard has {flat.numel()} elements where this rank holds "
-                f"{sum(p.numel() for p in parts)}; load with the shard maps of state_shards()"
-            )
-        start = 0
-        with torch.no_grad():
-            for part in parts:
-                source = flat[start : start + part.numel()]
-                if source.data_ptr() != part.data_ptr() or source.device != part.device:
-                    part.copy_(source)
-                start += part.numel()
-
-    return write
 
 
 def _state_parts(region: Region, lo: int, hi: int) -> dict[str, list[torch.Tensor]]:
@@ -168,8 +86,8 @@ def _param_entries(
     pieces = shard.shard_map.pieces_of(rank)
     region = regions.regions[place.region] if place.trainable else None
     device = region.master.device if region is not None else torch.device("cpu")
-    model = _joined(place.model, place.model_dtype, device)
-    entry = StateShard(shard.name, "param", _rebased(shard.shard_map, model.dtype), model, frozen)
+    model = joined(place.model, place.model_dtype, device)
+    entry = StateShard(shard.name, "param", rebased(shard.shard_map, model.dtype), model, frozen)
     writer = None
     if place.write_model is not None:
         write_model = place.write_model
@@ -185,74 +103,16 @@ def _param_entries(
     spans = [(p.local_offset, p.local_offset + p.numel) for p in pieces]
     kinds: dict[str, list[torch.Tensor]] = {"master": [region.master[lo:hi] for lo, hi in spans]}
     found = [_state_parts(region, lo, hi) for lo, hi in spans]
-    keys = set.intersection(*(set(f) for f in found)) if found else set(known)
+    # a rank holding no piece names no state: it cannot tell which keys the holders have
+    keys = set.intersection(*(set(f) for f in found)) if found else set()
     for key in sorted(keys):
         kinds[key] = [part for f in found for part in f.get(key, [])]
     for kind, parts in kinds.items():
         dtype = parts[0].dtype if parts else known.get(kind, torch.float32)
-        tensor = _joined(parts, dtype, device)
-        smap = _rebased(shard.shard_map, tensor.dtype)
-        out.append((StateShard(shard.name, kind, smap, tensor), _splitter(parts)))
+        tensor = joined(parts, dtype, device)
+        smap = rebased(shard.shard_map, tensor.dtype)
+        out.append((StateShard(shard.name, kind, smap, tensor), splitter(parts)))
     return out
-
-
-def _scalar_values(
-    inner: torch.optim.Optimizer, regions: Regions
-) -> list[dict[str, list[tuple[dict[str, Any], Any]]]]:
-    """Per param group, each scalar state key with every ``(state dict, value)`` holding it."""
-    groups: list[dict[str, list[tuple[dict[str, Any], Any]]]] = []
-    for group in inner.param_groups:
-        found: dict[str, list[tuple[dict[str, Any], Any]]] = {}
-        for view in group["params"]:
-            state = inner.state.get(view, {})
-            for key, value in state.items():
-                scalar = isinstance(value, torch.Tensor) and value.dim() == 0
-                if scalar or isinstance(value, numbers.Number):
-                    found.setdefault(key, []).append((state, value))
-        groups.append(found)
-    if regions.kernel_steps is not None:  # the CPU Adam kernel counts steps itself
-        for found in groups:
-            found["step"] = [({}, float(max(regions.kernel_steps, default=0)))]
-    # ZeRO steps every group at every step, so a group this rank holds no element of takes
-    # another group's value (every rank then writes the same entries; loading it does nothing)
-    for found in groups:
-        for other in groups:
-            for key, holders in other.items():
-                if key not in found:
-                    value = holders[0][1]
-                    copy = value.clone() if isinstance(value, torch.Tensor) else value
-                    found[key] = [({}, copy)]
-    return groups
-
-
-def _scalar_entries(
-    opt: ZeroOptimizer, regions: Regions, maps: Sequence[ShardMap]
-) -> list[tuple[StateShard, Writer | None]]:
-    ranks = opt.partition_group.size()
-    out: list[tuple[StateShard, Writer | None]] = []
-    for g, found in enumerate(_scalar_values(opt.inner, regions)):
-        for key, holders in sorted(found.items()):
-            first = holders[0][1]
-            tensor = first if isinstance(first, torch.Tensor) else torch.tensor(first)
-            smap = _replicated(maps, tensor.dtype, ranks)
-            writer = _scalar_writer(key, holders, regions)
-            out.append((StateShard(f"param_groups.{g}", key, smap, tensor), writer))
-    return out
-
-
-def _scalar_writer(key: str, holders: list[tuple[dict[str, Any], Any]], regions: Regions) -> Writer:
-    def write(value: torch.Tensor) -> None:
-        with torch.no_grad():
-            for state, old in holders:
-                if isinstance(old, torch.Tensor):
-                    if value.data_ptr() != old.data_ptr():
-                        old.copy_(value.reshape(old.shape))
-                elif state:
-                    state[key] = type(old)(value.item())
-        if regions.kernel_steps is not None and key == "step" and not holders[0][0]:
-            regions.kernel_steps[:] = [int(value.item())] * len(regions.kernel_steps)
-
-    return write
 
 
 class StateShardAccess:
@@ -273,7 +133,10 @@ class StateShardAccess:
         known = _state_dtypes(regions)
         out = [e for place in regions.params for e in _param_entries(place, regions, rank, known)]
         maps = [place.shard.shard_map for place in regions.params]
-        return out + _scalar_entries(opt, regions, maps)
+        out += momentum_entries(regions) + scalar_entries(opt, regions, maps)
+        keys = [entry.key for entry, _ in out]
+        assert len(set(keys)) == len(keys), f"two ZeRO state shards share a key: {keys}"
+        return out
 
     def state_shards(self) -> tuple[StateShard, ...]:
         """Every parameter, master and optimizer-state tensor of this rank (see the module).
@@ -315,6 +178,7 @@ class StateShardAccess:
         are (one step with zero gradients at learning rate 0), so a checkpoint can be loaded
         into it in place. Nothing happens when the state exists."""
         self.check_resident("materialize_state()")
+        materialize_buffers(self._regions())
         views = [view for group in self.inner.param_groups for view in group["params"]]
         if all(self.inner.state.get(view) for view in views):
             return

@@ -5,7 +5,8 @@
 `deepshard.interface.ShardMap`), collectively over a process group; ``load(dir, like=state)``
 fills such a dict in place from a checkpoint saved with any layout and world size, each rank
 reading only the bytes it keeps. Nothing is ever unpickled. ``load_state_dict_from_checkpoint``
-consolidates a checkpoint in one process; ``verify`` checks its checksums and coverage.
+consolidates a checkpoint in one process, ``save_resharded`` writes whole tensors as an
+N-rank checkpoint (offline conversion), and ``verify`` checks checksums and coverage.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from deepshard.checkpoint._client_state import join_client_state, split_client_state
 from deepshard.checkpoint._layout import list_tags, read_metadata
 from deepshard.checkpoint._load import load, load_state_dict_from_checkpoint
+from deepshard.checkpoint._offline import save_resharded
 from deepshard.checkpoint._save import SaveHandle, save
 from deepshard.checkpoint._types import (
     SAVE_POINTS,
@@ -37,6 +39,7 @@ __all__ = [
     "load_state_dict_from_checkpoint",
     "read_metadata",
     "save",
+    "save_resharded",
     "split_client_state",
     "verify",
 ]

@@ -97,9 +97,12 @@ def _reader(mesh: Any, stage: int, load_from: str, save_to: str | None) -> dict[
 
 def _rebuild(per_rank: list[dict[str, Any]], key: str) -> torch.Tensor:
     """The full tensor from every rank's local tensor and map, element by element."""
-    smap = ShardMap.from_json(per_rank[0]["shards"][key][0])
+    smap = ShardMap.from_json(next(o["shards"][key][0] for o in per_rank if key in o["shards"]))
     full = torch.full((smap.numel,), float("nan"), dtype=torch.float64)
     for rank, out in enumerate(per_rank):
+        if key not in out["shards"]:  # a rank holding none of a parameter names no state of it
+            assert not any(p.numel for p in smap.pieces_of(rank)), f"{key}: rank {rank}"
+            continue
         local = out["shards"][key][1].reshape(-1)
         for piece in smap.pieces_of(rank):
             for i, index in enumerate(smap.iter_global_flat(piece)):

@@ -174,9 +174,11 @@ class StateShardAccess:
         _finish_load(self, regions)  # type: ignore[arg-type]
 
     def materialize_state(self) -> None:
-        """Create the inner optimizer's state where it has none yet, leaving the masters as they
-        are (one step with zero gradients at learning rate 0), so a checkpoint can be loaded
-        into it in place. Nothing happens when the state exists."""
+        """Create the inner optimizer's state (and Muon's momentum) where there is none yet, so
+        a checkpoint can be loaded into it in place: one step with zero gradients at learning
+        rate 0, which leaves the masters of any optimizer whose update scales with ``lr`` as
+        they are (a load then overwrites masters and state alike). Nothing happens when the
+        state exists."""
         self.check_resident("materialize_state()")
         materialize_buffers(self._regions())
         views = [view for group in self.inner.param_groups for view in group["params"]]

@@ -16,6 +16,7 @@ Saved under the metadata's ``"engine"`` key by `engine_metadata` and put back by
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,18 @@ def _json_ready(value: Any, what: str) -> Any:
         raise CheckpointError(
             f"{what} is not JSON data ({exc}); checkpoints never pickle, so it cannot be saved"
         ) from exc
+
+
+def _readable(value: Any) -> Any:
+    """``value`` with non-finite floats as strings (``"inf"``): the config is stored for
+    reading, and JSON has no infinities."""
+    if isinstance(value, dict):
+        return {k: _readable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_readable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def _hyper(value: Any) -> bool:
@@ -85,7 +98,7 @@ def engine_metadata(
     return {
         "format": FORMAT,
         "tag": tag,
-        "config": _json_ready(parts.config.to_dict(), "the config"),
+        "config": _json_ready(_readable(parts.config.to_dict()), "the config"),
         "topology": dict(zip(topology.axis_names, topology.shape, strict=True)),
         "world_size": parts.world.world_size,
         "batch_world_size": parts.dims.batch_world_size,

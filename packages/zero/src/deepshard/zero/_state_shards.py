@@ -67,19 +67,8 @@ def _state_parts(region: Region, lo: int, hi: int) -> dict[str, list[torch.Tenso
     return {k: v for k, v in parts.items() if covered[k] == hi - lo}
 
 
-def _state_dtypes(regions: Regions) -> dict[str, torch.dtype]:
-    """Every per-element state key on this rank and its dtype."""
-    dtypes: dict[str, torch.dtype] = {}
-    for region in regions.regions:
-        for state, start, stop in region.segments:
-            for key, value in state.items():
-                if _flat_like(value, stop - start):
-                    dtypes.setdefault(key, value.dtype)
-    return dtypes
-
-
 def _param_entries(
-    place: ParamPlace, regions: Regions, rank: int, known: Mapping[str, torch.dtype]
+    place: ParamPlace, regions: Regions, rank: int
 ) -> list[tuple[StateShard, Writer | None]]:
     """The ``param``, ``master`` and per-element state entries of one parameter."""
     shard, frozen = place.shard, not place.trainable
@@ -108,7 +97,7 @@ def _param_entries(
     for key in sorted(keys):
         kinds[key] = [part for f in found for part in f.get(key, [])]
     for kind, parts in kinds.items():
-        dtype = parts[0].dtype if parts else known.get(kind, torch.float32)
+        dtype = parts[0].dtype if parts else torch.float32  # only a master can have no part
         tensor = joined(parts, dtype, device)
         smap = rebased(shard.shard_map, tensor.dtype)
         out.append((StateShard(shard.name, kind, smap, tensor), splitter(parts)))
@@ -130,8 +119,7 @@ class StateShardAccess:
     def _entries(self, regions: Regions) -> list[tuple[StateShard, Writer | None]]:
         opt: ZeroOptimizer = self  # type: ignore[assignment]
         rank = opt.partition_group.rank()
-        known = _state_dtypes(regions)
-        out = [e for place in regions.params for e in _param_entries(place, regions, rank, known)]
+        out = [e for place in regions.params for e in _param_entries(place, regions, rank)]
         maps = [place.shard.shard_map for place in regions.params]
         out += momentum_entries(regions) + scalar_entries(opt, regions, maps)
         keys = [entry.key for entry, _ in out]

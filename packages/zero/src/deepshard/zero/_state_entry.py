@@ -72,11 +72,23 @@ def replicated(like: Sequence[ShardMap], dtype: torch.dtype, ranks: int) -> Shar
 
 
 def joined(parts: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``parts`` as one 1-D tensor: a view when they are consecutive in one storage (one part,
+    or the slices of a flat state tensor), else a copy."""
     if len(parts) == 1:
         return parts[0]
     if not parts:
         return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat(list(parts))
+    first = parts[0]
+    storage, start = first.untyped_storage(), first.storage_offset()
+    position = start
+    for part in parts:
+        same = part.untyped_storage().data_ptr() == storage.data_ptr()
+        if not (same and part.dtype == first.dtype and part.is_contiguous()):
+            return torch.cat(list(parts))
+        if part.storage_offset() != position:
+            return torch.cat(list(parts))
+        position += part.numel()
+    return first.new_empty(0).set_(storage, start, (position - start,), (1,))
 
 
 def splitter(parts: Sequence[torch.Tensor]) -> Writer:

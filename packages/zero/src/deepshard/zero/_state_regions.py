@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ParamPlace", "Region", "Regions", "flat_regions", "stage3_regions"]
 
-Segment = tuple[Mapping[str, torch.Tensor], int, int]
+Segment = tuple[Mapping[str, Any], int, int]
 """``(state, lo, hi)``: the state tensors of elements ``[lo, hi)`` of a region's master."""
 
 
@@ -94,9 +94,39 @@ class Regions:
 
 
 def _inner_segments(
-    inner: torch.optim.Optimizer, views: list[tuple[torch.Tensor, int, int]]
+    inner: torch.optim.Optimizer, views: list[tuple[torch.Tensor, int, int]], numel: int
 ) -> tuple[Segment, ...]:
-    return tuple((inner.state.get(view, {}), lo, hi) for view, lo, hi in views if hi > lo)
+    segments = [(inner.state.get(view, {}), lo, hi) for view, lo, hi in views if hi > lo]
+    for key in {k for state, lo, hi in segments for k, v in state.items() if _flat(v, hi - lo)}:
+        _rehome(segments, key, numel)
+    return tuple(segments)
+
+
+def _flat(value: object, numel: int) -> bool:
+    """Whether ``value`` is per-element state of a view of ``numel`` elements."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
+
+
+def _rehome(segments: list[tuple[dict[str, Any], int, int]], key: str, numel: int) -> None:
+    """Point state ``key`` of every view at one tensor laid out like the master.
+
+    torch's optimizers keep a tensor per view, so a parameter straddling two views would have
+    its moments in two storages; views of one flat tensor per key (updated in place by the
+    optimizer, as before) make every parameter's state one live slice. Done once: a later call
+    finds the views already flat and copies nothing.
+    """
+    held = [(state, lo, hi) for state, lo, hi in segments if _flat(state.get(key), hi - lo)]
+    values = [state[key] for state, _, _ in held]
+    if len({(v.dtype, v.device) for v in values}) != 1:
+        return  # mixed dtypes or devices: leave them (the shards copy instead)
+    base = {v.storage_offset() - lo for v, (_, lo, _) in zip(values, held, strict=True)}
+    storages = {v.untyped_storage().data_ptr() for v in values}
+    if len(base) == 1 and len(storages) == 1 and all(v.is_contiguous() for v in values):
+        return
+    flat = torch.zeros(numel, dtype=values[0].dtype, device=values[0].device)
+    for (state, lo, hi), value in zip(held, values, strict=True):
+        flat[lo:hi].copy_(value.reshape(-1))
+        state[key] = flat[lo:hi].view(value.shape)
 
 
 def _offload_regions(
@@ -111,7 +141,7 @@ def _offload_regions(
             state = {"exp_avg": moments[0][g], "exp_avg_sq": moments[1][g]}
             segments: tuple[Segment, ...] = ((state, 0, master.numel()),) if master.numel() else ()
         else:
-            segments = _inner_segments(inner, offload.views[g])
+            segments = _inner_segments(inner, offload.views[g], master.numel())
         regions.append(Region(master, segments))
     steps = offload.steps if moments else None
     return regions, whole, steps
@@ -122,7 +152,7 @@ def flat_regions(opt: ZeroOptimizer) -> Regions:
     offload = opt._offload
     if offload is None:
         regions = [
-            Region(master, _inner_segments(opt.inner, views))
+            Region(master, _inner_segments(opt.inner, views, master.numel()))
             for master, views in zip(opt._masters, opt._full.views, strict=True)
         ]
         whole: list[list[torch.Tensor]] = []
@@ -149,7 +179,7 @@ def stage3_regions(opt: Stage3Optimizer) -> Regions:
     if offload is None:
         regions = [
             Region(master, _inner_segments(opt.inner, [(v, lo, hi) for u, v, lo, hi in opt._views
-                                                       if u == unit]))
+                                                       if u == unit], master.numel()))
             for unit, master in enumerate(opt._masters)
         ]  # fmt: skip
         whole: list[list[torch.Tensor]] = []

@@ -17,9 +17,10 @@ what ZeRO exposes is one entry per parameter and *kind*:
 Each entry's `ShardMap` is the parameter's (derived from its placement), with the entry's dtype
 and every rank's pieces laid back to back from local offset 0: the local tensor of a rank is
 exactly its elements of the parameter, never the alignment or bucket padding. The tensor is a
-view of live storage wherever those elements are contiguous in one tensor (masters, model
-copies, the state of a piece inside one view), else a copy; NVMe-offloaded masters and moments
-are read from their files. Scalar state (Adam's ``step``) is one replicated 0-d entry per param
+view of the storage training reads: the masters, the model copy, and the inner optimizer's
+state, whose per-view tensors are re-pointed once into one flat tensor per key laid out like
+the master (`deepshard.zero._state_regions`), so a piece straddling two views is still one
+slice. NVMe-offloaded masters and moments are read from their files (copies). Scalar state (Adam's ``step``) is one replicated 0-d entry per param
 group, named ``param_groups.<g>``.
 
 `load_state_shards` copies loaded local tensors back into those places, writes offloaded state

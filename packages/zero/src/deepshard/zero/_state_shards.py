@@ -20,8 +20,8 @@ exactly its elements of the parameter, never the alignment or bucket padding. Th
 view of the storage training reads: the masters, the model copy, and the inner optimizer's
 state, whose per-view tensors are re-pointed once into one flat tensor per key laid out like
 the master (`deepshard.zero._state_regions`), so a piece straddling two views is still one
-slice. NVMe-offloaded masters and moments are read from their files (copies). Scalar state (Adam's ``step``) is one replicated 0-d entry per param
-group, named ``param_groups.<g>``.
+slice. NVMe-offloaded masters and moments are read from their files (copies). Scalar state
+(Adam's ``step``) and Muon's momentum are entries of their own (`deepshard.zero._state_extra`).
 
 `load_state_shards` copies loaded local tensors back into those places, writes offloaded state
 back to the host buffers or files, and refreshes the model from the masters (an all-gather at

@@ -12,10 +12,11 @@ N-rank checkpoint (offline conversion), and ``verify`` checks checksums and cove
 from __future__ import annotations
 
 from deepshard.checkpoint._client_state import join_client_state, split_client_state
+from deepshard.checkpoint._handle import SaveHandle
 from deepshard.checkpoint._layout import list_tags, read_metadata
 from deepshard.checkpoint._load import load, load_state_dict_from_checkpoint
 from deepshard.checkpoint._offline import save_resharded
-from deepshard.checkpoint._save import SaveHandle, save
+from deepshard.checkpoint._save import save
 from deepshard.checkpoint._types import (
     SAVE_POINTS,
     LoadResult,

@@ -23,10 +23,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from deepshard.checkpoint._exchange import Members, all_gather_json, members_of
+from deepshard.checkpoint._handle import SaveHandle
 from deepshard.checkpoint._layout import read_metadata, resolve_tag_dir, tag_dir_of
 from deepshard.checkpoint._reshard import Copy, apply_copies, plan_copies, source_ranges
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, block_sha256, read_header, sha256_of
-from deepshard.checkpoint._save import SaveHandle
 from deepshard.checkpoint._types import LoadResult, ShardedTensor, StateValue, state_items
 from deepshard.comm import Group
 from deepshard.interface import ShardMap, ShardPiece

@@ -76,9 +76,9 @@ PACKAGES: tuple[PackageStatus, ...] = (
     PackageStatus(
         "deepshard-sequence-parallel",
         "deepshard.sequence_parallel",
-        None,
-        "Ulysses attention, tiled MLP / logits loss",
-        "planned",
+        "packages/sequence-parallel",
+        "Ulysses attention (registered all-to-all op, GQA, overlap), tiled MLP / logits loss",
+        "available",
     ),
     PackageStatus(
         "deepshard-profiler",

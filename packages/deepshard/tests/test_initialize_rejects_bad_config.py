@@ -146,7 +146,6 @@ def test_each_bad_config_is_a_config_error_naming_the_key(
     ("config", "key"),
     [
         ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
-        ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
         (
             {"elasticity": {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [2]}},
             "elasticity.enabled",

@@ -60,8 +60,8 @@ def _batch(packed: bool) -> dict[str, Any]:
 
 def _sp_step(mesh: Any, attn: str, batch: dict[str, Any]) -> dict[str, Any]:
     from deepshard.comm import ParallelDims, all_reduce
-    from deepshard.sequence_parallel._dataloader import shard_batch
-    from deepshard.sequence_parallel._hf import apply_ulysses
+    from deepshard.sequence_parallel import shard_batch
+    from deepshard.sequence_parallel import apply_ulysses
 
     dims = ParallelDims.from_mesh(mesh)
     model = apply_ulysses(_llama(attn), dims)

@@ -4,11 +4,30 @@
 sequence-parallel group (heads for sequence) around any local attention, with the exchange a
 registered ``torch.library`` op (``deepshard_sp::all_to_all``) that ``torch.compile`` traces
 and differentiates. ``plan_heads`` is the GQA-aware head split it uses.
+
+For Hugging Face models (ALST), ``apply_ulysses(model, parallel_dims)`` registers that
+exchange as the model's attention, ``UlyssesDataLoaderAdapter`` gives each rank its sequence
+shard, and the model's loss becomes ``sp_causal_lm_loss``, exact for any number of valid
+tokens per shard (``sp_mean_loss`` for a custom loss).
 """
 
 from __future__ import annotations
 
+from deepshard.sequence_parallel._dataloader import UlyssesDataLoaderAdapter, shard_batch
 from deepshard.sequence_parallel._heads import HeadPlan, plan_heads
+from deepshard.sequence_parallel._hf import UlyssesAttention, apply_ulysses
+from deepshard.sequence_parallel._loss import sp_causal_lm_loss, sp_mean_loss, sum_over_group
 from deepshard.sequence_parallel.attention import DistributedAttention
 
-__all__ = ["DistributedAttention", "HeadPlan", "plan_heads"]
+__all__ = [
+    "DistributedAttention",
+    "HeadPlan",
+    "UlyssesAttention",
+    "UlyssesDataLoaderAdapter",
+    "apply_ulysses",
+    "plan_heads",
+    "shard_batch",
+    "sp_causal_lm_loss",
+    "sp_mean_loss",
+    "sum_over_group",
+]

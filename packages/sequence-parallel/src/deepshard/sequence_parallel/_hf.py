@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.comm import ParallelDims
 from deepshard.interface.errors import ConfigError
-from deepshard.sequence_parallel._attention import DistributedAttention
+from deepshard.sequence_parallel.attention import DistributedAttention
 from deepshard.sequence_parallel._loss import hf_loss_function
 from deepshard.sequence_parallel._positions import (
     MaskKind,

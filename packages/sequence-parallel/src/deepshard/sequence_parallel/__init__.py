@@ -5,6 +5,10 @@ sequence-parallel group (heads for sequence) around any local attention, with th
 registered ``torch.library`` op (``deepshard_sp::all_to_all``) that ``torch.compile`` traces
 and differentiates. ``plan_heads`` is the GQA-aware head split it uses.
 
+``TiledMLP``, ``TiledFusedLogitsLoss`` and ``SequenceTiledCompute`` compute row-wise work a
+slice of tokens at a time (recomputed in backward), cutting the MLP and logits activation
+peaks; parameter gradients reach autograd once, after the last slice.
+
 For Hugging Face models (ALST), ``apply_ulysses(model, parallel_dims)`` registers that
 exchange as the model's attention, ``UlyssesDataLoaderAdapter`` gives each rank its sequence
 shard, and the model's loss becomes ``sp_causal_lm_loss``, exact for any number of valid
@@ -18,16 +22,29 @@ from deepshard.sequence_parallel._heads import HeadPlan, plan_heads
 from deepshard.sequence_parallel._hf import UlyssesAttention, apply_ulysses
 from deepshard.sequence_parallel._loss import sp_causal_lm_loss, sp_mean_loss, sum_over_group
 from deepshard.sequence_parallel.attention import DistributedAttention
+from deepshard.sequence_parallel.sequence_tiled import SequenceTiledCompute, sequence_tiled_compute
+from deepshard.sequence_parallel.tiled import (
+    TiledFusedLogitsLoss,
+    TiledMLP,
+    tiled_fused_logits_loss,
+    tiled_mlp,
+)
 
 __all__ = [
     "DistributedAttention",
     "HeadPlan",
+    "SequenceTiledCompute",
+    "TiledFusedLogitsLoss",
+    "TiledMLP",
     "UlyssesAttention",
     "UlyssesDataLoaderAdapter",
     "apply_ulysses",
     "plan_heads",
+    "sequence_tiled_compute",
     "shard_batch",
     "sp_causal_lm_loss",
     "sp_mean_loss",
     "sum_over_group",
+    "tiled_fused_logits_loss",
+    "tiled_mlp",
 ]

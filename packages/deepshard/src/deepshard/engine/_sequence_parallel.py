@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from deepshard.comm import ParallelDims
 from deepshard.interface import DeepShardConfig
 from deepshard.interface.errors import ConfigError
-from deepshard.sequence_parallel import UlyssesDataLoaderAdapter, apply_ulysses
+from deepshard.sequence_parallel import UlyssesDataLoaderAdapter, apply_ulysses, tile_hf_model
 
 __all__ = ["apply_sequence_parallel", "shard_loader"]
 
@@ -27,7 +27,8 @@ __all__ = ["apply_sequence_parallel", "shard_loader"]
 def apply_sequence_parallel(
     model: torch.nn.Module, config: DeepShardConfig, *, dims: ParallelDims
 ) -> None:
-    """Applies Ulysses to ``model`` when the mesh has an ``sp`` axis above 1.
+    """Applies Ulysses to ``model`` when the mesh has an ``sp`` axis above 1, then the tiled
+    MLP / logits loss the ``sequence_parallel`` section switches on (at any ``sp`` size).
 
     Args:
         model: The caller's model, before the cast.
@@ -35,19 +36,30 @@ def apply_sequence_parallel(
         dims: The training mesh.
 
     Raises:
-        ConfigError: ``sequence_parallel_size`` above 1 for a model Ulysses cannot wrap; the
-            message names the key and what to do.
+        ConfigError: ``sequence_parallel_size`` above 1, or tiling, for a model that cannot
+            take it; the message names the key and what to do.
     """
-    if dims.sp.size() == 1:
+    section = config.sequence_parallel
+    if dims.sp.size() > 1:
+        try:
+            apply_ulysses(model, dims, disable_in_eval=section.disable_in_eval)
+        except ConfigError as exc:
+            raise ConfigError.from_problems([("sequence_parallel_size", str(exc))]) from exc
+    if not (section.tiled_mlp or section.tiled_logits_loss):
         return
     try:
-        apply_ulysses(
+        tile_hf_model(
             model,
-            dims,
-            disable_in_eval=config.sequence_parallel.disable_in_eval,
+            mlp=section.tiled_mlp,
+            mlp_shards=section.tiled_mlp_shards,
+            logits_loss=section.tiled_logits_loss,
+            logits_shards=section.tiled_logits_shards,
+            sp_group=dims.sp,
+            disable_in_eval=section.disable_in_eval,
         )
     except ConfigError as exc:
-        raise ConfigError.from_problems([("sequence_parallel_size", str(exc))]) from exc
+        key = "tiled_mlp" if section.tiled_mlp else "tiled_logits_loss"
+        raise ConfigError.from_problems([(f"sequence_parallel.{key}", str(exc))]) from exc
 
 
 def shard_loader(

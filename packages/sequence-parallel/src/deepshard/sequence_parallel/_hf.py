@@ -234,10 +234,24 @@ def apply_ulysses(
     registered = f"{_PREFIX}{id(model):x}"
     AttentionInterface.register(registered, attention)
     model.set_attn_implementation(registered)  # type: ignore[operator]
+    sharded = lambda: model.training or not disable_in_eval  # noqa: E731
+    # transformers makes shard-local positions 0..s/P-1 when none are given, which gathered
+    # would look like packed documents: refuse that before the forward runs
+    model.register_forward_pre_hook(_positions_required(sharded), with_kwargs=True)
     if hasattr(model, "loss_function"):
         model.loss_function = hf_loss_function(
-            group=group,
-            sharded=lambda: model.training or not disable_in_eval,
-            fallback=model.loss_function,
+            group=group, sharded=sharded, fallback=model.loss_function
         )
     return model
+
+
+def _positions_required(sharded: Callable[[], bool]) -> Callable[..., None]:
+    def check(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if sharded() and kwargs.get("position_ids") is None:
+            raise ConfigError(
+                f"{type(module).__name__} runs Ulysses sequence parallelism and needs "
+                "position_ids=... (the global positions of this rank's tokens) in every "
+                "forward; wrap the loader in UlyssesDataLoaderAdapter, which adds them"
+            )
+
+    return check

@@ -213,7 +213,9 @@ def run_rank(job: RankJob) -> None:
     )
     try:
         store = torch.distributed.FileStore(job.store, job.world)
-        torch.distributed.init_process_group("gloo", store=store, rank=job.rank, world_size=job.world)
+        torch.distributed.init_process_group(
+            "gloo", store=store, rank=job.rank, world_size=job.world
+        )
         if job.row.startswith("deepspeed"):
             import deepspeed
 

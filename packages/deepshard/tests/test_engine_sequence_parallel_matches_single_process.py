@@ -2,9 +2,10 @@
 
 Cases: 2 ranks (sp 2, ZeRO stage 0, plain and with the tiled MLP and tiled logits-loss of the
 ``sequence_parallel`` section, 3 slices each) and 4 ranks (dp 2 × sp 2, ZeRO stages 2 and 3,
-stage 2 tiled too), fp32, AdamW, gradient clipping at 0.5, `STEPS` steps. Each data-parallel replica reads two rows of
-32 tokens; each sequence-parallel rank feeds 16 of them (`UlyssesDataLoaderAdapter`). Labels
-are masked so that the shards hold very different numbers of valid tokens (one shard none).
+stage 2 tiled too), fp32, AdamW, gradient clipping at 0.5, `STEPS` steps. Each data-parallel
+replica reads two rows of 32 tokens; each sequence-parallel rank feeds 16 of them
+(`UlyssesDataLoaderAdapter`). Labels are masked so that the shards hold very different numbers
+of valid tokens (one shard none).
 
 The single-process reference runs the same model on whole sequences: per step, the mean over
 the data-parallel replicas of each replica's token-mean loss (what data parallelism

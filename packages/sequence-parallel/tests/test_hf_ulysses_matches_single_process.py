@@ -1,4 +1,4 @@
-"""`apply_ulysses` + `shard_batch` on a tiny LlamaForCausalLM equal one process on the whole sequence.
+"""`apply_ulysses` + `shard_batch` on a tiny Llama equal one process on the whole sequence.
 
 Two gloo ranks form the ``sp`` group; one `run_on_mesh` call runs every case. Each rank feeds
 its half of every sequence (16 tokens, 8 per rank) to a two-layer Llama with grouped-query
@@ -17,7 +17,6 @@ attention and loss on a whole batch in eval mode; and bad uses are refused with 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -169,10 +168,13 @@ def test_flex_attention_forward_matches_the_whole_sequence(
 def test_two_models_in_one_process_keep_their_own_attention(ranks: list[dict[str, Any]]) -> None:
     whole = _batch(True)
     expected = [
-        _llama(a, seed=s)(**whole).loss.detach() for a, s in (("eager", 1), ("sdpa", 3), ("sdpa", 2))
+        _llama(a, seed=s)(**whole).loss.detach()
+        for a, s in (("eager", 1), ("sdpa", 3), ("sdpa", 2))
     ]
     for result in ranks:
-        torch.testing.assert_close(torch.stack(result["two"]), torch.stack(expected), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            torch.stack(result["two"]), torch.stack(expected), rtol=1e-6, atol=0
+        )
 
 
 def test_disable_in_eval_runs_the_plain_model_on_whole_batches(

@@ -33,13 +33,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.comm import ParallelDims
 from deepshard.interface.errors import ConfigError
-from deepshard.sequence_parallel.attention import DistributedAttention
 from deepshard.sequence_parallel._loss import hf_loss_function
 from deepshard.sequence_parallel._positions import (
     MaskKind,
     gather_positions,
     mask_from_positions,
 )
+from deepshard.sequence_parallel.attention import DistributedAttention
 
 __all__ = ["UlyssesAttention", "apply_ulysses"]
 
@@ -67,18 +67,19 @@ def _core_function(model: torch.nn.Module, name: str) -> Callable[..., Any]:
     from transformers import AttentionInterface
 
     if name != "eager":
-        return AttentionInterface()[name]  # type: ignore[no-any-return]
+        core: Callable[..., Any] = AttentionInterface()[name]  # type: ignore[no-untyped-call]
+        return core
     # eager is each modeling file's own function, not an entry of the interface
-    core = getattr(sys.modules[type(model).__module__], "eager_attention_forward", None)
-    if core is None:
+    eager = getattr(sys.modules[type(model).__module__], "eager_attention_forward", None)
+    if eager is None:
         raise ConfigError(
             f"{type(model).__name__}'s modeling module has no eager_attention_forward; load the "
             "model with attn_implementation='sdpa' for sequence parallelism"
         )
-    return core  # type: ignore[no-any-return]
+    return eager  # type: ignore[no-any-return]
 
 
-def _flex_mask(positions: torch.Tensor, heads: int) -> Any:
+def _flex_mask(positions: torch.Tensor) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
     starts = torch.ones_like(positions, dtype=torch.bool)
@@ -89,9 +90,7 @@ def _flex_mask(positions: torch.Tensor, heads: int) -> Any:
         return (k <= q) & (document[b, q] == document[b, k])
 
     rows, seq = positions.shape
-    return create_block_mask(
-        causal_in_document, rows, None, seq, seq, device=str(positions.device)
-    )
+    return create_block_mask(causal_in_document, rows, None, seq, seq, device=str(positions.device))
 
 
 class UlyssesAttention:
@@ -125,7 +124,7 @@ class UlyssesAttention:
     def _mask(self, positions: torch.Tensor, query: torch.Tensor) -> Any:
         kind = _CORES[self.core_name]
         if kind is None:
-            return _flex_mask(positions, query.shape[1])
+            return _flex_mask(positions)
         return mask_from_positions(positions, kind=kind, dtype=query.dtype)
 
     def _local(
@@ -239,8 +238,9 @@ def apply_ulysses(
     # would look like packed documents: refuse that before the forward runs
     model.register_forward_pre_hook(_positions_required(sharded), with_kwargs=True)
     if hasattr(model, "loss_function"):
-        model.loss_function = hf_loss_function(
-            group=group, sharded=sharded, fallback=model.loss_function
+        hf_model: Any = model  # transformers' PreTrainedModel, untyped
+        hf_model.loss_function = hf_loss_function(
+            group=group, sharded=sharded, fallback=hf_model.loss_function
         )
     return model
 

@@ -53,7 +53,7 @@ def _tile_mlp(mlp: torch.nn.Module, shards: int | None) -> None:
         n = shards if shards is not None else max(1, math.ceil(tokens / x.shape[-1]))
         return tiled_mlp(_class_forward, mlp, x, min(n, tokens))
 
-    mlp.forward = forward  # type: ignore[method-assign]
+    mlp.forward = forward
 
 
 def _token_loss_sum(head: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,8 @@ def _tile_loss(
 ) -> None:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    base, head = model.model, model.lm_head
+    base: Any = model.model
+    head: Any = model.lm_head
     class_forward = type(model).forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -113,7 +114,7 @@ def _tile_loss(
             attentions=out.attentions,
         )
 
-    model.forward = forward  # type: ignore[method-assign]
+    model.forward = forward
 
 
 def tile_hf_model(
@@ -158,7 +159,8 @@ def tile_hf_model(
         if count is not None and count < 1:
             raise ConfigError(f"sequence_parallel.{name} must be at least 1, got {count}")
     if mlp:
-        for layer in model.model.layers:  # type: ignore[union-attr]
+        base: Any = model.model
+        for layer in base.layers:
             _tile_mlp(layer.mlp, mlp_shards)
     if logits_loss:
         sizes = 1 if sp_group is None else sp_group.size()

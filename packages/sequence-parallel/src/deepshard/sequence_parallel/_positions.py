@@ -94,6 +94,4 @@ def mask_from_positions(
     if kind == "bool":
         return mask
     blocked = torch.finfo(dtype).min
-    return torch.zeros(mask.shape, dtype=dtype, device=positions.device).masked_fill(
-        ~mask, blocked
-    )
+    return torch.zeros(mask.shape, dtype=dtype, device=positions.device).masked_fill(~mask, blocked)

@@ -1,8 +1,9 @@
 """`sequence_parallel`: how Ulysses sequence parallelism treats a Hugging Face model (ALST).
 
 The degree itself is DeepSpeed's top-level ``sequence_parallel_size`` (Topology ``sp``); this
-DeepShard section holds what DeepSpeed passes to ``register_with_transformers`` as arguments, and the switches of the tiled
-compute DeepSpeed's ALST tutorial applies by hand (tiled MLP, tiled logits + loss).
+DeepShard section holds what DeepSpeed passes to ``register_with_transformers`` as arguments,
+and the switches of the tiled compute DeepSpeed's ALST tutorial applies by hand (tiled MLP,
+tiled logits + loss).
 """
 
 from __future__ import annotations

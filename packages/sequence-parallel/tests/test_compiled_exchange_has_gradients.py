@@ -6,7 +6,8 @@ graph's output did not depend on its input and every gradient upstream of it was
 AOTAutograd treat as an opaque op with a fake shape and a registered derivative. A projection ->
 DistributedAttention (GQA, uneven 6 query / 3 KV heads) -> projection block is compiled with
 `backend="aot_eager", fullgraph=True` on 2 gloo ranks; its output, input gradient and weight
-gradients must equal the eager run on the same rank.
+gradients must equal the eager run on the same rank, also with ``overlap=True`` (which compiles
+to the synchronous op).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ B, S_LOCAL, E, HQ, HKV, D = 2, 4, 12, 6, 3, 4
 class Block(torch.nn.Module):
     """Batch-first attention block whose core runs over the sequence-parallel group."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, overlap: bool = False) -> None:
         super().__init__()
         self.qkv = torch.nn.Linear(E, (HQ + 2 * HKV) * D, dtype=torch.float64)
         self.out = torch.nn.Linear(HQ * D, E, dtype=torch.float64)
-        self.attn = DistributedAttention(_cases.sdpa_local, group)
+        self.attn = DistributedAttention(_cases.sdpa_local, group, overlap=overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).view(B, S_LOCAL, HQ + 2 * HKV, D).split([HQ, HKV, HKV], dim=2)
@@ -48,19 +49,27 @@ def _step(block: Block, run: Any, rank: int) -> dict[str, torch.Tensor]:
     return {"y": y.detach(), "x.grad": x.grad, **grads}
 
 
-def _rank_body(mesh: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _rank_body(mesh: Any) -> list[dict[str, torch.Tensor]]:
     rank = mesh.get_rank()
     torch.manual_seed(0)
     eager = Block(mesh["dp"])
-    compiled = Block(mesh["dp"])
-    compiled.load_state_dict(eager.state_dict())
-    graph = torch.compile(compiled, backend="aot_eager", fullgraph=True)
-    return _step(eager, eager, rank), _step(compiled, graph, rank)
+    results = [_step(eager, eager, rank)]
+    # overlap=True compiles to the synchronous op (its hooks and async launch are eager-only).
+    for overlap in (False, True):
+        compiled = Block(mesh["dp"], overlap=overlap)
+        compiled.load_state_dict(eager.state_dict())
+        graph = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+        results.append(_step(compiled, graph, rank))
+    return results
 
 
 def test_compiled_gradients_equal_eager_and_are_not_zero(run_on_mesh: Any) -> None:
-    for rank, (eager, compiled) in enumerate(run_on_mesh(_rank_body, 2, timeout_s=240.0)):
-        assert eager.keys() == compiled.keys() and len(eager) == 6
+    for rank, (eager, *compiled_runs) in enumerate(run_on_mesh(_rank_body, 2, timeout_s=280.0)):
+        assert len(eager) == 6
         for name, want in eager.items():
             assert want.abs().sum() > 0, f"rank {rank}: eager {name} is all zero"
-            torch.testing.assert_close(compiled[name], want, msg=f"rank {rank}: {name}")
+        for index, compiled in enumerate(compiled_runs):
+            assert compiled.keys() == eager.keys()
+            for name, want in eager.items():
+                msg = f"rank {rank} run {index}: {name}"
+                torch.testing.assert_close(compiled[name], want, msg=msg)

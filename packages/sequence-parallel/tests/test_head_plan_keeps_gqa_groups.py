@@ -79,5 +79,7 @@ def test_attention_refuses_bad_input_before_communicating() -> None:
             DistributedAttention(lambda q, k, v: q, mesh["dp"], num_kv_heads=2)(q, kv, kv, 0)
         with pytest.raises(ConfigError, match="scatter_idx=1"):
             DistributedAttention(lambda q, k, v: q, mesh["dp"], scatter_idx=1)
+        with pytest.raises(ConfigError, match="layout of its q"):
+            DistributedAttention(lambda q, k, v: q.transpose(1, 2), mesh)(q, kv, kv, 0)
         # The whole mesh stands for its "sp" axis (size 1 here), not for the world.
         assert DistributedAttention(lambda q, k, v: q, mesh).world_size == 1

@@ -39,8 +39,21 @@ def check_shards(shards: object, what: str) -> int:
     return shards
 
 
-def trainable(module: object, params: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-    """The parameters whose gradients the tiled op returns: `params`, else the module's."""
+_RELEASED_HINT = (
+    "Under ZeRO stage 3, call the tiled op inside the forward of a unit module that owns the "
+    "parameters (ZeroPolicy(unit_classes=...)), so that they are whole at that time."
+)
+
+
+def trainable(
+    module: object, params: Sequence[torch.Tensor] | None, what: str
+) -> list[torch.Tensor]:
+    """The parameters whose gradients the tiled op returns: `params`, else the module's.
+
+    Raises:
+        ConfigError: If one of them is empty (a released ZeRO-3 parameter: its gradient could
+            not be returned in its shape).
+    """
     source: Iterable[torch.Tensor] = ()
     if params is not None:
         source = params
@@ -52,6 +65,12 @@ def trainable(module: object, params: Sequence[torch.Tensor] | None) -> list[tor
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             out.append(p)
+    empty = [i for i, p in enumerate(out) if p.numel() == 0]
+    if empty:
+        raise ConfigError(
+            f"{what}: trainable parameters {empty} (in module.parameters() order, or of "
+            f"compute_params) are empty when the op is called. {_RELEASED_HINT}"
+        )
     return out
 
 
@@ -75,24 +94,29 @@ def find_unlisted_leaves(
 
 
 class ShardGrads:
-    """The input rows' gradient and the parameters' summed gradients over all shards."""
+    """The parameters' gradients summed over all shards, checked against their shapes."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self.params = list(params)
-        self.param_grads: list[torch.Tensor | None] = [None] * len(self.params)
+    def __init__(self, shapes: Sequence[torch.Size], what: str) -> None:
+        self.shapes = list(shapes)
+        self.what = what
+        self.param_grads: list[torch.Tensor | None] = [None] * len(self.shapes)
 
     def add(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Add one shard's parameter gradients (`None` for a parameter it did not use)."""
+        """Add one shard's parameter gradients (`None` for a parameter it did not use).
+
+        Raises:
+            ConfigError: If a gradient's shape is not the parameter's shape when the op was
+                called (a ZeRO-3 parameter that was released then and gathered later).
+        """
         for i, g in enumerate(grads):
+            if g is not None and g.shape != self.shapes[i]:
+                raise ConfigError(
+                    f"{self.what}: a parameter had shape {tuple(self.shapes[i])} when the op "
+                    f"was called but its gradient has shape {tuple(g.shape)}. {_RELEASED_HINT}"
+                )
             if g is not None:
                 prev = self.param_grads[i]
                 self.param_grads[i] = g if prev is None else prev + g
-
-    def scaled(self, factor: torch.Tensor | None) -> list[torch.Tensor | None]:
-        """The summed parameter gradients, times `factor` when given."""
-        if factor is None:
-            return list(self.param_grads)
-        return [None if g is None else g * factor for g in self.param_grads]
 
 
 def shard_gradients(

@@ -145,6 +145,9 @@ class DistributedAttention(torch.nn.Module):
     ) -> torch.Tensor:
         """Attention over the full sequence of this rank's sequence shard.
 
+        Every rank of the group calls it with a sequence shard of the same length (`s/P`);
+        head counts may be uneven.
+
         Args:
             q: `[b, s/P, h, d]` (`batch_dim_idx=0`) or `[s/P, b, h, d]` (`batch_dim_idx=1`).
             k: Same layout with the layer's KV heads.
@@ -172,4 +175,10 @@ class DistributedAttention(torch.nn.Module):
         k_local = scatter_qk(k, kv_spec)
         v_local = scatter_heads(v, kv_spec)
         out = self.local_attention(q_local, k_local, v_local, *args, **kwargs)
+        if not isinstance(out, torch.Tensor) or out.shape[:3] != q_local.shape[:3]:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ConfigError(
+                f"local_attention must return one tensor in the layout of its q "
+                f"{tuple(q_local.shape)} (same first three dims), got {got}."
+            )
         return gather_heads(out, q_spec)

@@ -74,6 +74,7 @@ class _Function(torch.autograd.Function):
         outs = [call.call(xs, [o[i] for o in other_slices]) for i, xs in enumerate(x_slices)]
         full = torch.cat(outs, dim=call.output_seq_dim)
         ctx.call, ctx.params = call, params
+        ctx.shapes = [p.shape for p in params]
         ctx.sizes = [o.shape[call.output_seq_dim] for o in outs]
         ctx.numel = full.numel()
         ctx.save_for_backward(x, *others)
@@ -92,7 +93,7 @@ class _Function(torch.autograd.Function):
             scale = grad / ctx.numel if call.reduction == "mean" else grad
             grads = [scale] * len(ctx.sizes)
         other_slices = [t.chunk(call.shards, dim=call.seq_dim) for t in others]
-        acc, x_grads = ShardGrads(ctx.params), []
+        acc, x_grads = ShardGrads(ctx.shapes, "SequenceTiledCompute"), []
         for i, xs in enumerate(x.chunk(call.shards, dim=call.seq_dim)):
             slice_others = [o[i] for o in other_slices]
             out_grad = grads[i]
@@ -108,7 +109,33 @@ class _Function(torch.autograd.Function):
             acc.add(param_grads)
             x_grads.append(x_grad if x_grad is not None else torch.zeros_like(xs))
         x_grad_full = torch.cat(x_grads, dim=call.seq_dim) if need_x else None
-        return (None, None, x_grad_full, *([None] * len(others)), *acc.scaled(None))
+        return (None, None, x_grad_full, *([None] * len(others)), *acc.param_grads)
+
+
+def _check_call(
+    shards: int,
+    sharded: Mapping[str, torch.Tensor],
+    grad_key: str,
+    seq_dim: int,
+    output_reduction: Reduction,
+) -> None:
+    check_shards(shards, "SequenceTiledCompute")
+    if grad_key not in sharded:
+        raise ConfigError(
+            f"SequenceTiledCompute: grad_key {grad_key!r} is not a key of sharded "
+            f"({sorted(sharded)})."
+        )
+    if output_reduction not in (None, "mean", "sum"):
+        raise ConfigError(
+            "SequenceTiledCompute: output_reduction must be None, 'mean' or 'sum', got "
+            f"{output_reduction!r}."
+        )
+    lengths = {k: t.shape[seq_dim] for k, t in sharded.items()}
+    if len(set(lengths.values())) != 1:
+        raise ConfigError(
+            f"SequenceTiledCompute: every sharded tensor needs the same length in dim "
+            f"{seq_dim}, got {lengths}."
+        )
 
 
 def sequence_tiled_compute(
@@ -145,28 +172,12 @@ def sequence_tiled_compute(
         ConfigError: On bad `shards`, an unknown `grad_key` or reduction, or sharded tensors
             of different sequence lengths.
     """
-    check_shards(shards, "SequenceTiledCompute")
-    if grad_key not in sharded:
-        raise ConfigError(
-            f"SequenceTiledCompute: grad_key {grad_key!r} is not a key of sharded "
-            f"({sorted(sharded)})."
-        )
-    if output_reduction not in (None, "mean", "sum"):
-        raise ConfigError(
-            "SequenceTiledCompute: output_reduction must be None, 'mean' or 'sum', got "
-            f"{output_reduction!r}."
-        )
-    lengths = {k: t.shape[seq_dim] for k, t in sharded.items()}
-    if len(set(lengths.values())) != 1:
-        raise ConfigError(
-            f"SequenceTiledCompute: every sharded tensor needs the same length in dim "
-            f"{seq_dim}, got {lengths}."
-        )
+    _check_call(shards, sharded, grad_key, seq_dim, output_reduction)
     others = tuple(k for k in sharded if k != grad_key)
     call = _Call(
         fn, shards, grad_key, others, dict(passed or {}), seq_dim, output_seq_dim, output_reduction
     )
-    params = trainable(module, compute_params)
+    params = trainable(module, compute_params, "SequenceTiledCompute")
     tensors = [sharded[k] for k in others]
     out: torch.Tensor = _Function.apply(call, len(others), sharded[grad_key], *tensors, *params)
     return out

@@ -63,6 +63,7 @@ class _TiledMLPFunction(torch.autograd.Function):
                 )
             outs.append(out)
         ctx.fn, ctx.module, ctx.shards, ctx.params = fn, module, shards, params
+        ctx.shapes = [p.shape for p in params]
         ctx.save_for_backward(x)
         return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])
 
@@ -72,7 +73,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         need_x = bool(ctx.needs_input_grad[2])
         rows = _rows(x, x.dim() - 1)
         grad_rows = _rows(grad, grad.dim() - 1)
-        acc = ShardGrads(ctx.params)
+        acc = ShardGrads(ctx.shapes, "TiledMLP")
         x_grads = []
         chunks = zip(rows.chunk(ctx.shards), grad_rows.chunk(ctx.shards), strict=True)
         for i, (chunk, grad_chunk) in enumerate(chunks):
@@ -88,7 +89,7 @@ class _TiledMLPFunction(torch.autograd.Function):
             acc.add(param_grads)
             x_grads.append(x_grad if x_grad is not None else torch.zeros_like(chunk))
         x_grad_full = torch.cat(x_grads).reshape(x.shape) if need_x else None
-        return (None, None, x_grad_full, None, *acc.scaled(None))
+        return (None, None, x_grad_full, None, *acc.param_grads)
 
 
 def tiled_mlp(
@@ -118,7 +119,7 @@ def tiled_mlp(
     check_shards(shards, "TiledMLP")
     if x.dim() < 2:
         raise ConfigError(f"TiledMLP: x must be at least 2-D [..., hidden], got {tuple(x.shape)}.")
-    params = trainable(module, compute_params)
+    params = trainable(module, compute_params, "TiledMLP")
     out: torch.Tensor = _TiledMLPFunction.apply(fn, module, x, shards, *params)
     return out
 
@@ -143,7 +144,7 @@ class _TiledLossFunction(torch.autograd.Function):
             int(m.sum()) if m is not None else c.shape[0] for m, c in zip(ms, xs, strict=True)
         ]
         total = sum(counts)
-        acc = ShardGrads(params)
+        acc = ShardGrads([p.shape for p in params], "TiledFusedLogitsLoss")
         loss = x.new_zeros(())
         x_grads = []
         for i, (xc, yc, mc) in enumerate(zip(xs, ys, ms, strict=True)):
@@ -165,7 +166,7 @@ class _TiledLossFunction(torch.autograd.Function):
             acc.add(param_grads)
             x_grads.append(x_grad if x_grad is not None else torch.zeros_like(xc))
         ctx.x_grad = torch.cat(x_grads).reshape(x.shape) if need_x else None
-        ctx.param_grads = acc.scaled(None)
+        ctx.param_grads = acc.param_grads
         return loss
 
     @staticmethod
@@ -238,7 +239,7 @@ def tiled_fused_logits_loss(
     """
     check_shards(shards, "TiledFusedLogitsLoss")
     _check_loss_inputs(x, y, mask, output_reduction)
-    params = trainable(module, compute_params)
+    params = trainable(module, compute_params, "TiledFusedLogitsLoss")
     out: torch.Tensor = _TiledLossFunction.apply(
         fn, module, x, y, mask, shards, output_reduction, *params
     )

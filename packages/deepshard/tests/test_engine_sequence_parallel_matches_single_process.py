@@ -2,7 +2,7 @@
 
 Cases: 2 ranks (sp 2, ZeRO stage 0, plain and with the tiled MLP and tiled logits-loss of the
 ``sequence_parallel`` section, 3 slices each) and 4 ranks (dp 2 × sp 2, ZeRO stages 2 and 3,
-stage 2 tiled too), fp32, AdamW, gradient clipping at 0.5, `STEPS` steps. Each data-parallel
+both tiled too), fp32, AdamW, gradient clipping at 0.5, `STEPS` steps. Each data-parallel
 replica reads two rows of 32 tokens; each sequence-parallel rank feeds 16 of them
 (`UlyssesDataLoaderAdapter`). Labels are masked so that the shards hold very different numbers
 of valid tokens (one shard none).
@@ -145,7 +145,8 @@ def _check(per_rank: list[dict[str, Any]], ref: dict[str, Any], what: str) -> No
 
 
 @pytest.mark.parametrize(
-    ("world", "cases"), [(2, [(0, False), (0, True)]), (4, [(2, False), (3, False), (2, True)])]
+    ("world", "cases"),
+    [(2, [(0, False), (0, True)]), (4, [(2, False), (3, False), (2, True), (3, True)])],
 )
 def test_sequence_parallel_training_matches_one_process(
     world: int, cases: list[tuple[int, bool]], tmp_path: Path

@@ -94,7 +94,7 @@ def _config(stage: int, dp: int, tiled: bool) -> dict[str, Any]:
     }
 
 
-def _train(mesh: Any, cases: list[tuple[int, bool]]) -> dict[tuple[int, bool], dict[str, Any]]:
+def _train(mesh: Any, cases: list[tuple[int, bool]]) -> dict[Any, Any]:
     import deepshard.engine as ds
     from deepshard.comm import ParallelDims
     from deepshard.sequence_parallel import UlyssesDataLoaderAdapter
@@ -116,7 +116,26 @@ def _train(mesh: Any, cases: list[tuple[int, bool]]) -> dict[tuple[int, bool], d
             engine.step()
         state = {k: v.detach().clone() for k, v in engine.module_state_dict().items()}
         results[(stage, tiled)] = {"losses": losses, "state": state}
+    if dims.batch_world_size == 1:
+        results["extras"] = _engine_extras(dims)
     return results
+
+
+def _engine_extras(dims: Any) -> dict[str, Any]:
+    """The loader ``initialize`` builds yields shards; a model Ulysses cannot wrap is refused."""
+    import deepshard.engine as ds
+    from deepshard.interface.errors import ConfigError
+
+    samples = [{k: v[0] for k, v in _replica_batch(s, 0).items()} for s in range(2)]
+    config = _config(0, 1, False) | {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1}
+    _, _, loader, _ = ds.initialize(_llama(), config, training_data=samples, mesh=dims)
+    shapes = [tuple(batch["input_ids"].shape) for batch in loader]
+    try:
+        ds.initialize(torch.nn.Linear(2, 2), config, mesh=dims)
+        refusal = "accepted"
+    except ConfigError as exc:
+        refusal = str(exc)
+    return {"loader": type(loader).__name__, "shapes": shapes, "refusal": refusal}
 
 
 def _reference(dp: int, sgd: bool) -> dict[str, Any]:
@@ -155,6 +174,11 @@ def test_sequence_parallel_training_matches_one_process(
     results = run_on_mesh(
         _train, world, topology=topology, args=(cases,), store_dir=tmp_path, timeout_s=300
     )
+    if world == 2:
+        extras = results[0]["extras"]
+        assert extras["loader"] == "UlyssesDataLoaderAdapter"
+        assert extras["shapes"] == [(1, SEQ // 2), (1, SEQ // 2)]
+        assert extras["refusal"].startswith("sequence_parallel_size: apply_ulysses needs")
     initial = _llama().state_dict()
     for case in cases:
         ref = _reference(topology.dp, sgd=case[1])

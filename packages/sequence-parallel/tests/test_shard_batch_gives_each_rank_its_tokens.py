@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deepshard.interface.errors import ConfigError
-from deepshard.sequence_parallel import UlyssesDataLoaderAdapter, shard_batch
+from deepshard.sequence_parallel import UlyssesDataLoaderAdapter, shard_batch, tile_hf_model
 from deepshard.sequence_parallel._positions import mask_from_positions
 
 SEQ = 12
@@ -122,3 +122,19 @@ def test_masks_from_positions_are_transformers_masks(packed: bool) -> None:
 def test_positions_of_the_wrong_rank_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"\[batch, seq\]"):
         mask_from_positions(torch.arange(4), kind="bool", dtype=torch.float32)
+
+
+def test_tiling_refuses_models_it_does_not_know_and_bad_shard_counts() -> None:
+    with pytest.raises(ConfigError, match="tiled_mlp"):
+        tile_hf_model(torch.nn.Linear(2, 2), mlp=True)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=16,
+    )
+    with pytest.raises(ConfigError, match="tiled_mlp_shards must be at least 1"):
+        tile_hf_model(LlamaForCausalLM(config), mlp=True, mlp_shards=0)

@@ -2,12 +2,14 @@
 
 Two gloo ranks form the ``sp`` group; one `run_on_mesh` call runs every case. Each rank feeds
 its half of every sequence (16 tokens, 8 per rank) to a two-layer Llama with grouped-query
-attention (4 query heads, 2 KV heads), computes the SP loss and backward, and averages its
-gradients over ``sp`` as ZeRO does over ``dp × ep × sp``. The parent runs the same model on the
-whole sequence in one process. Labels are masked so that the two shards hold very different
-numbers of valid tokens (row 0: none in shard 0), which a mean of per-shard means would get
-wrong. Packed rows (positions restarting mid-sequence) are checked against transformers' own
-packed-sequence masks. flex_attention has no backward on CPU, so it is checked forward only.
+attention (4 query heads, 2 KV heads; also 1 KV head, replicated over the two ranks, with the
+query/KV ratio the core attention reads adjusted per call), computes the SP loss and backward,
+and averages its gradients over ``sp`` as ZeRO does over ``dp × ep × sp``. The parent runs
+the same model on the whole sequence in one process. Labels are masked so that the two shards
+hold very different numbers of valid tokens (row 0: none in shard 0), which a mean of
+per-shard means would get wrong. Packed rows (positions restarting mid-sequence) are checked
+against transformers' own packed-sequence masks. flex_attention has no backward on CPU, so it
+is checked forward only.
 
 In the same run: two models in one process keep their own settings (a Ulysses eager model, a
 Ulysses sdpa model and a plain model, called interleaved); ``disable_in_eval`` runs the plain
@@ -27,10 +29,18 @@ from deepshard.testing import run_on_mesh
 
 SEQ = 16
 VOCAB = 64
-TRAINED = [("sdpa", False), ("eager", False), ("sdpa", True), ("eager", True)]
+# (attention, packed rows, KV heads); 1 KV head on 2 ranks is replicated by DistributedAttention
+TRAINED = [
+    ("sdpa", False, 2),
+    ("eager", False, 2),
+    ("sdpa", True, 2),
+    ("eager", True, 2),
+    ("sdpa", True, 1),
+    ("eager", False, 1),
+]
 
 
-def _llama(attn: str, seed: int = 0) -> Any:
+def _llama(attn: str, seed: int = 0, kv_heads: int = 2) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -39,7 +49,7 @@ def _llama(attn: str, seed: int = 0) -> Any:
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         vocab_size=VOCAB,
         max_position_embeddings=2 * SEQ,
         attn_implementation=attn,
@@ -96,9 +106,9 @@ def _all_cases(mesh: Any) -> dict[str, Any]:
         return shard_batch(batch, sp_rank=dims.sp.get_local_rank(), sp_size=dims.sp.size())
 
     out: dict[str, Any] = {}
-    for attn, packed in TRAINED:
-        model = apply_ulysses(_llama(attn), dims)
-        out[f"{attn}-{packed}"] = _sp_step(model, shard(_batch(packed)), dims.dense_dp)
+    for attn, packed, kv in TRAINED:
+        model = apply_ulysses(_llama(attn, kv_heads=kv), dims)
+        out[f"{attn}-{packed}-{kv}"] = _sp_step(model, shard(_batch(packed)), dims.dense_dp)
     for packed in (False, True):  # forward only: flex_attention has no CPU backward
         with torch.no_grad():
             flex = apply_ulysses(_llama("flex_attention"), dims)
@@ -135,19 +145,19 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_on_mesh(_all_cases, 2, topology=Topology(sp=2), store_dir=store, timeout_s=240)
 
 
-def _reference(attn: str, packed: bool) -> dict[str, Any]:
-    model = _llama(attn)
+def _reference(attn: str, packed: bool, kv: int) -> dict[str, Any]:
+    model = _llama(attn, kv_heads=kv)
     loss = model(**_batch(packed)).loss
     loss.backward()
     return {"loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize(("attn", "packed"), TRAINED)
+@pytest.mark.parametrize(("attn", "packed", "kv"), TRAINED)
 def test_two_sp_ranks_match_the_whole_sequence(
-    ranks: list[dict[str, Any]], attn: str, packed: bool
+    ranks: list[dict[str, Any]], attn: str, packed: bool, kv: int
 ) -> None:
-    ref = _reference(attn, packed)
-    for result in (r[f"{attn}-{packed}"] for r in ranks):
+    ref = _reference(attn, packed, kv)
+    for result in (r[f"{attn}-{packed}-{kv}"] for r in ranks):
         torch.testing.assert_close(result["loss"], ref["loss"], rtol=1e-6, atol=0.0)
         for name, expected in ref["grads"].items():
             torch.testing.assert_close(

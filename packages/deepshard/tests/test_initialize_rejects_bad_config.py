@@ -157,7 +157,6 @@ def test_each_bad_config_is_a_config_error_naming_the_key(
     ("config", "key"),
     [
         ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
-        ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
         (
             {"data_efficiency": {"data_routing": {"enabled": True}}},
             "data_efficiency.data_routing.enabled",

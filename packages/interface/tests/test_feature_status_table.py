@@ -66,7 +66,6 @@ ASKS = [
         ["fp16.fp16_master_weights_and_grads"],
     ),
     ({"tensor_parallel": {"autotp_size": 2}}, ["tensor_parallel.autotp_size"]),
-    ({"sequence_parallel_size": 4}, ["sequence_parallel_size"]),
     ({"managed_gradient_accumulation": False}, ["managed_gradient_accumulation"]),
     ({"sparse_gradients": True}, ["sparse_gradients"]),
     (

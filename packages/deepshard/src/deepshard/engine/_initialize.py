@@ -9,8 +9,10 @@
    the mesh from the config's topology, unless the caller passes a mesh.
 3. Reconcile the batch sizes for the ranks that read different samples (dp × ep); under
    ``elasticity`` they come from the elastic schedule for that world (`_elastic`).
-4. Move and cast the model (`Precision`), then build the optimizer on its parameters (the
-   caller's wins over the config's), wrap it with ZeRO, and build the LR schedule on the wrapper.
+4. Apply Ulysses when ``sequence_parallel_size`` is above 1 (`deepshard.engine.
+   _sequence_parallel`), move and cast the model (`Precision`), then build the optimizer on its
+   parameters (the caller's wins over the config's), wrap it with ZeRO, and build the LR
+   schedule on the wrapper.
 5. Build the loss scaler, the counters, the reporter (with the profiler's wall-clock timers),
    the ``flops_profiler`` step profile and, given ``training_data``, the loader.
 """
@@ -53,6 +55,7 @@ from deepshard.engine._logging import announce, log_all_ranks
 from deepshard.engine._precision import plan_precision
 from deepshard.engine._profiling import StepProfiling
 from deepshard.engine._reporting import ProgressReporter, TensorBytes, tensor_bytes
+from deepshard.engine._sequence_parallel import apply_sequence_parallel, shard_loader
 from deepshard.engine._zero_wiring import parallel_dims, wrap_with_zero
 from deepshard.engine.loss_scaler import build_loss_scaler
 from deepshard.interface import BatchSizes, DeepShardConfig
@@ -60,6 +63,7 @@ from deepshard.interface.config import CommsLoggerConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.interface.watchdog import resolve_watchdog_s
 from deepshard.profiler import GatherWaitSource, WallClockTimers
+from deepshard.sequence_parallel import UlyssesDataLoaderAdapter
 from deepshard.zero import Stage3Optimizer, ZeroOptimizer
 
 __all__ = ["InitializeResult", "initialize"]
@@ -75,8 +79,9 @@ class InitializeResult(NamedTuple):
     """The ZeRO-wrapped optimizer (``param_groups`` are the inner optimizer's); None without
     one."""
 
-    dataloader: DataLoader[Any] | None
-    """This rank's loader over ``training_data``; None when no data was given."""
+    dataloader: DataLoader[Any] | UlyssesDataLoaderAdapter | None
+    """This rank's loader over ``training_data`` (with ``sequence_parallel_size`` above 1,
+    wrapped to yield this rank's sequence shard); None when no data was given."""
 
     lr_scheduler: Any
     """The LR schedule the engine steps, or None."""
@@ -254,6 +259,7 @@ def initialize(
     device = _device(dims.mesh)
     precision = plan_precision(parsed, device.type)
     check_init_built(model, parsed, dims=dims, param_dtype=precision.param_dtype, device=device)
+    apply_sequence_parallel(model, parsed, dims=dims)
     precision.cast_model(model, device)
     comms = _comms_logger(parsed, dims.rank)
     params = default_parameters(model, parsed) if model_parameters is None else model_parameters
@@ -295,7 +301,9 @@ def initialize(
             batch=batch,
         ),
     )
-    loader = _loader(training_data, collate_fn, parsed, batch, dims)
+    built = _loader(training_data, collate_fn, parsed, batch, dims)
     engine = DeepShardEngine(model, parts, compiled_forward=compiled)
-    engine.training_dataloader = loader  # its position goes into checkpoints
-    return InitializeResult(engine, zero, loader, schedule)
+    # the built loader's sampler position goes into checkpoints (under sp the caller iterates
+    # the sequence-sharding adapter around it)
+    engine.training_dataloader = built
+    return InitializeResult(engine, zero, shard_loader(built, dims=dims), schedule)

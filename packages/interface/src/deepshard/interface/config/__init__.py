@@ -55,6 +55,7 @@ from deepshard.interface.config.profiling import (
     ThroughputTimerConfig,
     TimersConfig,
 )
+from deepshard.interface.config.sequence_parallel import SequenceParallelConfig
 from deepshard.interface.config.tensor_parallel import (
     TensorParallelConfig,
     TpLayerSpecConfig,
@@ -102,6 +103,7 @@ __all__ = [
     "RandomLtdScheduleConfig",
     "RandomLtdStepConfig",
     "SchedulerConfig",
+    "SequenceParallelConfig",
     "TensorBoardConfig",
     "TensorParallelConfig",
     "ThroughputTimerConfig",

@@ -43,6 +43,7 @@ from deepshard.interface.config.precision import (
     TorchAutocastConfig,
 )
 from deepshard.interface.config.profiling import FlopsProfilerConfig, TimersConfig
+from deepshard.interface.config.sequence_parallel import SequenceParallelConfig
 from deepshard.interface.config.tensor_parallel import TensorParallelConfig
 from deepshard.interface.config.zero import ZeroConfig
 from deepshard.interface.errors import ConfigError
@@ -143,6 +144,9 @@ class DeepShardConfig(TopLevelSettings):
 
     aio: AioConfig = Field(default_factory=AioConfig)
     """Asynchronous NVMe I/O."""
+
+    sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
+    """Ulysses for Hugging Face models (ALST); the degree is ``sequence_parallel_size``."""
 
     @field_validator("zero_optimization", mode="before")
     @classmethod

@@ -72,14 +72,6 @@ _PLANNED = (
         fix="set it to 1 or remove it",
     ),
     FeatureStatus(
-        "sequence_parallel_size",
-        "planned",
-        "Ulysses sequence parallelism",
-        "deepshard-sequence-parallel",
-        When("above", 1),
-        fix="set it to 1 or remove it",
-    ),
-    FeatureStatus(
         "managed_gradient_accumulation",
         "planned",
         "caller-marked accumulation boundaries (ZeRO reduces during the boundary's backward "

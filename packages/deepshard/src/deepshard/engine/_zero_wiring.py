@@ -18,11 +18,11 @@ their buckets whole and gives Muon the finished update (see `deepshard.zero.Full
 Every stage shards the (cast) model first (`deepshard.zero.shard` on ``dims.dense_dp`` with the
 policy of the ``zero_optimization`` section, `deepshard.zero.zero_policy`; at stages 0-2 its
 units stay resident and only plan the gradient buckets), then builds the optimizer side on it;
-the module stays the user's object. A model built under `deepshard.zero.Init` is sharded already: its
-`ShardedModule` (checked by `deepshard.engine._init_built`) is used as it is. Muon at stage 3
-takes the same transform (its matrices' gradients are gathered from the partitions at the
-step, `deepshard.zero._stage3_muon`); the optimizer was built on the whole parameters before
-sharding, so its halves are split by their real shapes.
+the module stays the user's object. A model built under `deepshard.zero.Init` is sharded
+already: its `ShardedModule` (checked by `deepshard.engine._init_built`) is used as it is.
+Muon at stage 3 takes the same transform (its matrices' gradients are gathered from the
+partitions at the step, `deepshard.zero._stage3_muon`); the optimizer was built on the whole
+parameters before sharding, so its halves are split by their real shapes.
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from deepshard.zero._init import Init
 from deepshard.zero._init_settings import stage3_policy, zero_policy
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
 from deepshard.zero._policy import ZeroPolicy
+from deepshard.zero._resident import ResidentModule
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._shard import register_external_parameter, shard, shard_info, sharded_module_of
 from deepshard.zero._shard_info import ShardInfo
-from deepshard.zero._resident import ResidentModule
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._stage3_optimizer import Stage3Optimizer
 from deepshard.zero._states import OFFLOAD_STATE_TYPES, OffloadReport
@@ -81,8 +81,8 @@ __all__ = [
     "PartitionedOwner",
     "PendingReduction",
     "Piece",
-    "SavedTensorOffload",
     "ResidentModule",
+    "SavedTensorOffload",
     "ShardInfo",
     "ShardedModule",
     "Stage3Optimizer",

@@ -25,7 +25,7 @@ import torch
 
 from deepshard.comm import CommsLogger, Group, all_gather_into_tensor
 from deepshard.interface.errors import ConfigError
-from deepshard.zero.layout import FlatLayout, GatherCall, gather_copies, plan_flat_layout
+from deepshard.zero.layout import FlatLayout, GatherCall, gather_copies
 
 __all__ = [
     "MASTER_VIEW_NUMEL",

@@ -302,8 +302,10 @@ def build_offload(
     views = _views(host_masters, subs, len(masters), view_numel, kernel=rule is not None)
     groups: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
     for sub in subs:
-        groups[sub.param_group] += [v for v, lo, hi in views[sub.group] if sub.start <= lo < sub.stop]
-    for param_group, mine in zip(optimizer.param_groups, groups, strict=True):
-        param_group["params"] = [view for view in mine if view.numel()]
+        groups[sub.param_group] += [
+            v for v, lo, hi in views[sub.group] if sub.start <= lo < sub.stop
+        ]
+    for param_group, held in zip(optimizer.param_groups, groups, strict=True):
+        param_group["params"] = [view for view in held if view.numel()]
     host_grads = [allocate(n, torch.float32) for n in numels]
     return HostOffload(subs, state, rule, views, host_grads, host_out, device_partitions)

@@ -30,6 +30,7 @@ import torch
 
 from deepshard.comm import CommsLogger
 from deepshard.interface import PlacementRegistry
+from deepshard.interface.config import ZeroConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.zero._flat_params import FlatParams, common_dtype_and_device
 from deepshard.zero._placements import registration_positions
@@ -38,7 +39,14 @@ from deepshard.zero._settings import message_numel
 from deepshard.zero._units import plan_units
 from deepshard.zero.layout import FlatLayout, plan_flat_layout
 
-__all__ = ["ResidentModule", "ResidentUnit", "build_resident", "resident_from_param_groups"]
+__all__ = [
+    "ResidentModule",
+    "ResidentUnit",
+    "build_resident",
+    "model_side_problems",
+    "resident_from_param_groups",
+    "sharded_section",
+]
 
 
 @dataclass(frozen=True)
@@ -154,9 +162,7 @@ def build_resident(
     )
     named = list(module.named_parameters())
     positions = registration_positions([u.params for u in units], named)
-    return ResidentModule(
-        module, units, group, policy, comms_logger, placements, positions, device
-    )
+    return ResidentModule(module, units, group, policy, comms_logger, placements, positions, device)
 
 
 def resident_from_param_groups(
@@ -225,3 +231,48 @@ def _check_unique(param_groups: Sequence[MutableMapping[str, Any]]) -> None:
                     "list every parameter once"
                 )
             seen.add(id(param))
+
+
+def sharded_section(config: ZeroConfig | None, sharded: ResidentModule | None) -> ZeroConfig:
+    """The ``zero_optimization`` section: as given, else one at the sharded module's stage."""
+    if config is not None:
+        return config
+    if sharded is None:
+        return ZeroConfig()
+    return ZeroConfig.model_validate({"stage": sharded.policy.stage})
+
+
+def model_side_problems(
+    config: ZeroConfig, sharded: ResidentModule | None, model_args: dict[str, Any]
+) -> list[tuple[str, str]]:
+    """What contradicts between the model side and the arguments, as ``(key, message)``.
+
+    ``model_args`` are the arguments of the params-only form (the model side's otherwise); a
+    comms logger or placements the sharded module already has may be passed again.
+    """
+    if sharded is None:
+        return []
+    problems = []
+    if config.stage != sharded.policy.stage:
+        problems.append(
+            (
+                "zero_optimization.stage",
+                f"is {config.stage} but the model was sharded at stage {sharded.policy.stage}; "
+                "shard it with ZeroPolicy.from_config of the same section",
+            )
+        )
+    own = {"comms_logger": sharded.comms_logger, "placements": sharded.placements}
+    extra = [
+        name
+        for name, value in model_args.items()
+        if value is not None and (name not in own or value is not own[name])
+    ]
+    if extra:
+        problems.append(
+            (
+                f"ZeroOptimizer({', '.join(extra)}=)",
+                "given with a sharded module, whose ZeroPolicy already holds the group and the "
+                "gradient settings; drop the argument (or set it in the policy)",
+            )
+        )
+    return problems

@@ -15,7 +15,6 @@ buffers small. Accelerator backends keep the configured sizes.
 
 from __future__ import annotations
 
-
 import torch
 
 from deepshard.interface.config import DeepShardConfig, ZeroConfig

@@ -2,17 +2,14 @@
 
 What happens to a model under data parallelism over a group of ``W`` ranks:
 
-1. **Construction.** The model side (`deepshard.zero.shard` with ``ZeroPolicy(stage=k)``,
-   `deepshard.zero._resident`) has moved each unit's trainable parameters into one flat,
-   16-byte aligned buffer (`deepshard.zero.layout`), cut into buckets of ``reduce_bucket_size``
-   elements (at most 4M on CPU, `deepshard.zero._settings`); the params-only form
-   ``ZeroOptimizer(inner, group=...)`` builds the same model side with one unit per param
-   group. This rank's fp32 *master* copy of a unit is its partition of the buffer (stages 1-2:
-   its chunk of every bucket, ``1/W`` of the unit; stage 0: everything, and for an fp32 model
-   the buffer itself). The inner optimizer's param groups are re-pointed at *master views*
-   (`deepshard.zero._master_views`, at most 1 MiB each): the inner optimizer only ever sees
-   masters, so its state is partitioned too, while group hyper-parameters (``lr``,
-   ``weight_decay``...) stay where an LR scheduler finds them, in ``param_groups``; they never
+1. **Construction.** The model side (`deepshard.zero.shard` at stage 0-2, or built from the
+   param groups by the params-only form, one unit per group; `deepshard.zero._resident`) holds
+   each unit's trainable parameters in one flat, 16-byte aligned buffer cut into buckets of
+   ``reduce_bucket_size`` elements (at most 4M on CPU). This rank's fp32 *master* of a unit is
+   its partition (stages 1-2: its chunk of every bucket; stage 0: everything, and for an fp32
+   model the buffer itself). The inner optimizer's param groups are re-pointed at master views
+   of at most 1 MiB (`deepshard.zero._master_views`), so its state is partitioned too, while
+   hyper-parameters (``lr``...) stay in ``param_groups`` for LR schedulers; param groups never
    decide how gradients are communicated.
 2. **Backward.** A post-accumulate-grad hook hands each gradient to a gradient store
    (`deepshard.zero._gradients`) and frees ``param.grad``. Stage 0 all-reduces and stage 1
@@ -61,22 +58,27 @@ from deepshard.zero._gradients import (
     PartitionedGradients,
     StoreSettings,
 )
-from deepshard.zero._offload import build_offload, offload_problems
 from deepshard.zero._master_views import plan_master_views
+from deepshard.zero._offload import build_offload, offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._optimizer_reads import ZeroReads
 from deepshard.zero._owner import ZeroPartitionAccess
 from deepshard.zero._passes import BackwardPasses
 from deepshard.zero._placements import resolve_placements
 from deepshard.zero._policy import ZeroPolicy
-from deepshard.zero._resident import ResidentModule, resident_from_param_groups
+from deepshard.zero._resident import (
+    ResidentModule,
+    model_side_problems,
+    resident_from_param_groups,
+    sharded_section,
+)
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
 from deepshard.zero._states import StateOffload
 from deepshard.zero._step import NormSettings, StepResult, checked_norm, step_inner
-from deepshard.zero.layout import FlatLayout, plan_gather_calls
+from deepshard.zero.layout import plan_gather_calls
 from deepshard.zero.norms import check_norm_type, scale_factor
 from deepshard.zero.reduction import GradientReduction
 
@@ -169,7 +171,7 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
         aio: AioConfig | None = None,
         zero_force_ds_cpu_optimizer: bool = True,
     ) -> None:
-        self.config = _section(config, sharded)
+        self.config = sharded_section(config, sharded)
         transformed = full_grad_transform is not None
         allow_untested = zero_allow_untested_optimizer or transformed
         # Every refusal at once, before anything is built.
@@ -178,17 +180,9 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
         problems += offload_problems(
             self.config, optimizer, zero_force_ds_cpu_optimizer, transformed
         )
-        problems += _model_side_problems(
-            self.config,
-            sharded,
-            {
-                "group": group,
-                "reduction": reduction,
-                "grad_accum_dtype": grad_accum_dtype,
-                "placements": placements,
-                "comms_logger": comms_logger,
-            },
-        )
+        given = {"group": group, "reduction": reduction, "grad_accum_dtype": grad_accum_dtype}
+        given |= {"placements": placements, "comms_logger": comms_logger}
+        problems += model_side_problems(self.config, sharded, given)
         if problems:
             raise ConfigError.from_problems(problems)
         if sharded is None:  # the params-only form; resolve_group refuses a missing group
@@ -197,7 +191,7 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
             )
             sharded = resident_from_param_groups(
                 optimizer.param_groups,
-                resolve_group(group),  # type: ignore[arg-type]
+                resolve_group(group),
                 policy,
                 comms_logger,
                 named_parameters,
@@ -425,54 +419,6 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
 
     # --- what the engine, schedulers and checkpoints read -------------------------------
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's param groups (``params`` hold this rank's masters)."""
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        """The inner optimizer's state, keyed by master partition (or master view, see
-        `full_shape`)."""
-        return self.inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.inner.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The inner optimizer's defaults."""
-        return self.inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.inner.defaults = value
-
-    @property
-    def layouts(self) -> tuple[FlatLayout, ...]:
-        """The flat layout of every unit (one per param group in the params-only form)."""
-        return tuple(flat.layout for flat in self._flat)
-
-    @property
-    def master_partitions(self) -> tuple[torch.Tensor, ...]:
-        """This rank's fp32 master partition of every unit (for an unpartitioned fp32 unit, the
-        flat parameter buffer itself; with offload, on the host)."""
-        return self._offload.masters() if self._offload is not None else tuple(self._masters)
-
-    def full_shape(self, param: object) -> tuple[int, ...] | None:
-        """`deepshard.interface.ParamShapes`: a transformed parameter's shape for its master view
-        in the inner optimizer; ``None`` for a flat master (see `deepshard.zero._full_grads`)."""
-        return self._full.full_shape(param)
-
-    def shard_maps(self) -> tuple[ParamShard, ...]:
-        """Where every element of every trainable parameter's master lives, per rank."""
-        return self._shards
-
     def state_dict(self) -> dict[str, Any]:
         """This rank's masters, inner-optimizer state and transform buffers (same layout to
         reload)."""
@@ -501,46 +447,3 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-
-
-def _section(config: ZeroConfig | None, sharded: ResidentModule | None) -> ZeroConfig:
-    """The ``zero_optimization`` section: as given, else one at the sharded module's stage."""
-    if config is not None:
-        return config
-    return ZeroConfig(stage=sharded.policy.stage) if sharded is not None else ZeroConfig()
-
-
-def _model_side_problems(
-    config: ZeroConfig, sharded: ResidentModule | None, model_args: dict[str, Any]
-) -> list[tuple[str, str]]:
-    """What contradicts between the model side and the arguments, as ``(key, message)``.
-
-    ``model_args`` are the arguments of the params-only form (the model side's otherwise); a
-    comms logger or placements the sharded module already has may be passed again.
-    """
-    if sharded is None:
-        return []
-    problems = []
-    if config.stage != sharded.policy.stage:
-        problems.append(
-            (
-                "zero_optimization.stage",
-                f"is {config.stage} but the model was sharded at stage {sharded.policy.stage}; "
-                "shard it with ZeroPolicy.from_config of the same section",
-            )
-        )
-    own = {"comms_logger": sharded.comms_logger, "placements": sharded.placements}
-    extra = [
-        name
-        for name, value in model_args.items()
-        if value is not None and (name not in own or value is not own[name])
-    ]
-    if extra:
-        problems.append(
-            (
-                f"ZeroOptimizer({', '.join(extra)}=)",
-                "given with a sharded module, whose ZeroPolicy already holds the group and the "
-                "gradient settings; drop the argument (or set it in the policy)",
-            )
-        )
-    return problems

@@ -42,9 +42,9 @@ from deepshard.zero import (
     ShardedModule,
     ZeroOptimizer,
     build_zero_optimizer,
+    optimizer_side_problems,
     shard,
     sharded_module_of,
-    stage3_policy,
     zero_policy,
 )
 
@@ -86,8 +86,12 @@ def wrap_with_zero(
     """
     placements = PlacementRegistry.replicated(module.named_parameters(), dims.topology)
     muon = isinstance(optimizer, Muon)
-    sharded: ShardedModule | ResidentModule | None = None
-    if config.zero_optimization.stage < 3:
+    problems = optimizer_side_problems(optimizer, config, transformed=muon)
+    if problems:  # before shard() re-points the model's parameters
+        raise ConfigError.from_problems(problems)
+    # a model built under deepshard.zero.Init is sharded already (stage 3, checked)
+    sharded: ShardedModule | ResidentModule | None = sharded_module_of(module)
+    if sharded is None:
         sharded = shard(
             module,
             parallel_dims=dims,
@@ -95,27 +99,6 @@ def wrap_with_zero(
             placements=placements,
             comms_logger=comms_logger,
         )
-    else:
-        offload = config.zero_optimization.offload_optimizer
-        if muon and offload is not None and offload.device != "none":  # before sharding
-            raise ConfigError.from_problems(
-                [
-                    (
-                        "zero_optimization.offload_optimizer",
-                        "Muon's Newton-Schulz step runs on the device; remove the offload "
-                        "section (or use an Adam optimizer with offload)",
-                    )
-                ]
-            )
-        sharded = sharded_module_of(module)  # built under deepshard.zero.Init, checked
-        if sharded is None:
-            sharded = shard(
-                module,
-                parallel_dims=dims,
-                policy=stage3_policy(config),
-                placements=placements,
-                comms_logger=comms_logger,
-            )
     return build_zero_optimizer(
         optimizer,
         config,

@@ -44,7 +44,7 @@ from deepshard.zero.access import (
     safe_set_local_grad,
     safe_set_local_optimizer_state,
 )
-from deepshard.zero.build import build_zero_optimizer
+from deepshard.zero.build import build_zero_optimizer, optimizer_side_problems
 from deepshard.zero.layout import (
     ALIGNMENT_BYTES,
     Bucket,
@@ -95,6 +95,7 @@ __all__ = [
     "grad_overflow",
     "is_zero_safe",
     "offload_saved_tensors",
+    "optimizer_side_problems",
     "partition",
     "plan_flat_layout",
     "plan_gather_calls",

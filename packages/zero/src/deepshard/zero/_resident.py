@@ -243,7 +243,7 @@ def sharded_section(config: ZeroConfig | None, sharded: ResidentModule | None) -
 
 
 def model_side_problems(
-    config: ZeroConfig, sharded: ResidentModule | None, model_args: dict[str, Any]
+    config: ZeroConfig, sharded: ResidentModule | None, model_args: dict[str, object]
 ) -> list[tuple[str, str]]:
     """What contradicts between the model side and the arguments, as ``(key, message)``.
 

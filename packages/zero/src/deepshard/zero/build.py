@@ -11,13 +11,34 @@ from deepshard.comm import CommsLogger, Group
 from deepshard.interface import DeepShardConfig, PlacementRegistry
 from deepshard.interface.errors import ConfigError
 from deepshard.zero._full_grads import FullGradTransform
+from deepshard.zero._offload_plan import offload_problems
+from deepshard.zero._optimizer_check import optimizer_problems
 from deepshard.zero._resident import ResidentModule
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._stage3_optimizer import Stage3Optimizer
 from deepshard.zero.optimizer import ZeroOptimizer
 from deepshard.zero.reduction import GradientReduction, torch_dtype
 
-__all__ = ["build_zero_optimizer"]
+__all__ = ["build_zero_optimizer", "optimizer_side_problems"]
+
+
+def optimizer_side_problems(
+    optimizer: torch.optim.Optimizer, config: DeepShardConfig, *, transformed: bool
+) -> list[tuple[str, str]]:
+    """What the optimizer side refuses about ``optimizer`` under ``config``, as ``(key path,
+    message)``: an optimizer not known to be element-wise (without
+    ``zero_allow_untested_optimizer`` or a full-gradient transform) and what offload cannot
+    step on the host. The engine checks it before `deepshard.zero.shard` changes the model.
+
+    Args:
+        optimizer: The inner optimizer.
+        config: The whole config.
+        transformed: A full-gradient transform (Muon) will be given.
+    """
+    allow = config.zero_allow_untested_optimizer or transformed
+    problems = optimizer_problems(optimizer, allow_untested=allow)
+    force = config.zero_force_ds_cpu_optimizer
+    return problems + offload_problems(config.zero_optimization, optimizer, force, transformed)
 
 
 def build_zero_optimizer(

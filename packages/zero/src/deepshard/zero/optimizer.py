@@ -180,7 +180,8 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
         problems += offload_problems(
             self.config, optimizer, zero_force_ds_cpu_optimizer, transformed
         )
-        given = {"group": group, "reduction": reduction, "grad_accum_dtype": grad_accum_dtype}
+        given: dict[str, object] = {"group": group, "reduction": reduction}
+        given |= {"grad_accum_dtype": grad_accum_dtype}
         given |= {"placements": placements, "comms_logger": comms_logger}
         problems += model_side_problems(self.config, sharded, given)
         if problems:
@@ -272,8 +273,6 @@ class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Op
         self._hooks = self._passes.attach(self._params, self.layouts)
         self._offloaded = {}  # the `offload_states` bookkeeping (deepshard.zero._states)
         self._passes.guard = self.check_resident
-
-    # --- construction -------------------------------------------------------------------
 
     def _build_store(self, settings: StoreSettings) -> SplitGradients:
         """The ordinary groups' store behind a router that also reaches the full groups'."""

@@ -4,7 +4,10 @@ The model has two ``ModuleList`` blocks and a head, so it has three units (the b
 root owning the head); the inner AdamW has two param groups (weight decay on weights only) that
 cut across every unit. The layouts must follow the units (three, not two), and 2 gloo ranks
 must train like one process on the whole batch: the reference is torch's AdamW on an identical
-model in the parent, fp32, 1e-5 relative (only the summation order differs). Bad input: a
+model in the parent, fp32, 1e-5 relative (only the summation order differs), also with optimizer
+offload to the host and to files (DeepShard's CPU Adam kernel: the same formula in another
+order), whose sub-groups then take their hyper-parameters from the param group of their range
+(``SubGroup.hyper``, checked to occur). Bad input: a
 stage other than the sharded module's, a parameter the sharded module does not own, and
 gradient settings passed next to a sharded module are refused with the key named.
 """
@@ -54,7 +57,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 13, generator=g), torch.randn(BATCH, 7, generator=g)
 
 
-def _train(mesh: Any, stage: int) -> dict[str, Any]:
+def _train(mesh: Any, stage: int, offload: dict[str, Any] | None = None) -> dict[str, Any]:
     from deepshard.zero import ZeroOptimizer, ZeroPolicy, shard
 
     group, rank, world = mesh["dp"], mesh.get_rank(), mesh["dp"].size()
@@ -62,7 +65,8 @@ def _train(mesh: Any, stage: int) -> dict[str, Any]:
     inner = _inner(model)
     policy = ZeroPolicy(stage=stage, reduce_bucket_size=600, overlap_comm=stage == 2)
     sharded = shard(model, group=group, policy=policy)
-    config = ZeroConfig(stage=stage, overlap_comm=stage == 2)
+    extra: dict[str, Any] = {} if offload is None else {"offload_optimizer": offload}
+    config = ZeroConfig(stage=stage, overlap_comm=stage == 2, sub_group_size=200, **extra)
     zero = ZeroOptimizer(inner, sharded, config=config, gradient_clipping=0.0)
     mb = BATCH // (world * GA)
     losses = []
@@ -74,7 +78,9 @@ def _train(mesh: Any, stage: int) -> dict[str, Any]:
             zero.backward(loss, is_boundary=m == GA - 1)
             losses.append(loss.item())
         zero.step()
+    subs = [] if zero._offload is None else zero._offload.sub_groups
     return {
+        "hyper_sub_groups": sum(sub.hyper is not None for sub in subs),
         "units": [u.name for u in sharded.units],  # type: ignore[union-attr]
         "buckets": [len(layout.buckets) for layout in zero.layouts],
         "inner_groups": [len(g["params"]) for g in zero.param_groups],
@@ -83,8 +89,14 @@ def _train(mesh: Any, stage: int) -> dict[str, Any]:
     }
 
 
-def _train_all(mesh: Any) -> dict[int, dict[str, Any]]:
-    return {stage: _train(mesh, stage) for stage in (0, 1, 2)}
+def _train_all(mesh: Any, root: str) -> dict[Any, dict[str, Any]]:
+    results: dict[Any, dict[str, Any]] = {stage: _train(mesh, stage) for stage in (0, 1, 2)}
+    # optimizer offload over the same units: each sub-group is stepped with the hyper-parameters
+    # of the one param group its range belongs to (the CPU Adam kernel; NVMe through files)
+    results["cpu"] = _train(mesh, 1, {"device": "cpu"})
+    nvme = {"device": "nvme", "nvme_path": root}  # mkdtemp makes a directory per rank
+    results["nvme"] = _train(mesh, 2, nvme)
+    return results
 
 
 def _reference() -> list[torch.Tensor]:
@@ -100,12 +112,16 @@ def _reference() -> list[torch.Tensor]:
 
 def test_units_decide_the_layouts_and_training_matches_one_process(tmp_path: Path) -> None:
     ref = _reference()
-    for per_rank in run_on_mesh(_train_all, 2, store_dir=tmp_path):
+    root = tmp_path / "swap"
+    root.mkdir()
+    for per_rank in run_on_mesh(_train_all, 2, args=(str(root),), store_dir=tmp_path):
+        assert per_rank["cpu"]["hyper_sub_groups"] > 0 and per_rank["nvme"]["hyper_sub_groups"] > 0
         for stage, result in per_rank.items():
             # the root (head) first, then each block: one layout per unit, not per param group
             assert result["units"] == ["", "blocks.0", "blocks.1"], stage
             assert len(result["buckets"]) == 3 and max(result["buckets"]) > 1, stage
-            assert all(count > 0 for count in result["inner_groups"]), stage
+            if stage in (0, 1, 2):  # the CPU Adam kernel's groups hold no tensors, by design
+                assert all(count > 0 for count in result["inner_groups"]), stage
             for got, want in zip(result["params"], ref, strict=True):
                 err = float((got - want).abs().max() / want.abs().max())
                 assert err < 1e-5, (stage, err)

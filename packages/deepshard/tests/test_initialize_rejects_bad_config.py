@@ -124,7 +124,16 @@ def _try(mesh: Any, name: str, config: dict[str, Any]) -> tuple[str, list[str]] 
 def _all_cases(mesh: Any) -> dict[str, Any]:
     import deepshard.engine as ds
 
-    found = {name: _try(mesh, name, config) for name, (config, _) in CASES.items()}
+    found: dict[str, Any] = {name: _try(mesh, name, config) for name, (config, _) in CASES.items()}
+    # A refused optimizer is refused before ZeRO shards the model: the parameters keep their
+    # own storage (sharding re-points them into a unit's flat buffer).
+    model = torch.nn.Linear(3, 2)
+    before = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ds.ConfigError, match="zero_allow_untested_optimizer"):
+        ds.initialize(
+            model, {**_BATCH}, optimizer=torch.optim.RMSprop(model.parameters()), mesh=mesh
+        )
+    found["storage kept"] = before == [p.data_ptr() for p in model.parameters()]
     # The same untested optimizer is accepted once the config allows it.
     model = torch.nn.Linear(3, 2)
     allowed = {**_BATCH, "zero_allow_untested_optimizer": True}
@@ -140,6 +149,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ranks = run_on_mesh(_all_cases, 2, store_dir=tmp_path_factory.mktemp("bad"), timeout_s=120)
     assert ranks[0] == ranks[1]
     return ranks[0]
+
+
+def test_a_refused_optimizer_leaves_the_model_unsharded(results: dict[str, Any]) -> None:
+    assert results["storage kept"] is True
 
 
 @pytest.mark.parametrize("name", list(CASES))

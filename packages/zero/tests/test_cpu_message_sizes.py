@@ -1,7 +1,7 @@
 """On CPU (gloo) no bucket or all-gather call exceeds `CPU_MESSAGE_NUMEL`; other devices and
 smaller configured sizes keep the config's values.
 
-`message_sizes` is checked for CPU parameters and for parameters on the ``meta`` device (which
+`message_numel` is checked for CPU parameters and for parameters on the ``meta`` device (which
 stands for any accelerator: only ``cpu`` is capped). Then one ``run_on_mesh`` call on 2 ranks
 wraps a 4.5M-parameter model at stage 1 with DeepSpeed's default sizes (5e8), which would make
 it one bucket and one all-gather: it gets two buckets, each reduced and gathered by its own call.
@@ -16,21 +16,17 @@ import torch
 
 from deepshard.interface.config import ZeroConfig
 from deepshard.testing import run_on_mesh
-from deepshard.zero._settings import CPU_MESSAGE_NUMEL, message_sizes
-
-
-def _groups(device: str) -> list[dict[str, Any]]:
-    return [{"params": [torch.nn.Parameter(torch.empty(3, device=device))]}]
+from deepshard.zero._settings import CPU_MESSAGE_NUMEL, message_numel
 
 
 def test_cpu_sizes_are_capped_and_others_kept() -> None:
     default = ZeroConfig()
+    cpu, meta = torch.device("cpu"), torch.device("meta")
     assert default.reduce_bucket_size > CPU_MESSAGE_NUMEL
-    assert message_sizes(default, _groups("cpu")) == (CPU_MESSAGE_NUMEL, CPU_MESSAGE_NUMEL)
-    small = ZeroConfig(reduce_bucket_size=1000, allgather_bucket_size=500)
-    assert message_sizes(small, _groups("cpu")) == (1000, 500)
-    expected = (default.reduce_bucket_size, default.allgather_bucket_size)
-    assert message_sizes(default, _groups("meta")) == expected
+    assert message_numel(default.reduce_bucket_size, cpu) == CPU_MESSAGE_NUMEL
+    assert message_numel(default.allgather_bucket_size, cpu) == CPU_MESSAGE_NUMEL
+    assert message_numel(1000, cpu) == 1000
+    assert message_numel(default.reduce_bucket_size, meta) == default.reduce_bucket_size
 
 
 def _messages(mesh: Any) -> dict[str, Any]:

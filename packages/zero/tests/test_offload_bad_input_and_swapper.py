@@ -81,7 +81,7 @@ def test_optimizers_that_cannot_step_on_the_host_are_refused() -> None:
 
 
 def test_nvme_buffer_count_and_path_are_checked(tmp_path: Path) -> None:
-    subs = plan_sub_groups([10], 4)
+    subs = plan_sub_groups([(0, 0, 10, 0)], 4)
     allocate = host_allocator(CpuAccelerator(), pin_memory=False)
     section = OffloadOptimizerConfig(device="nvme", nvme_path=tmp_path, buffer_count=2)
     with pytest.raises(ConfigError) as caught:
@@ -114,7 +114,7 @@ def test_pin_memory_warns_where_a_device_cannot_pin_and_not_on_the_cpu() -> None
 
 
 def test_sub_groups_cover_each_partition_in_order_without_crossing_groups() -> None:
-    subs = plan_sub_groups([10, 0, 3], 4)
+    subs = plan_sub_groups([(0, 0, 10, 0), (1, 0, 0, 1), (2, 0, 3, 2)], 4)
     assert subs == (
         SubGroup(0, 0, 0, 4),
         SubGroup(0, 1, 4, 8),

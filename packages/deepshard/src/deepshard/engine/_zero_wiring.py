@@ -15,13 +15,14 @@ Muon is not element-wise: its ``use_muon`` matrices need their whole reduced gra
 with the momentum as ZeRO's persistent buffer) for exactly those parameters; ZeRO all-reduces
 their buckets whole and gives Muon the finished update (see `deepshard.zero.FullGradTransform`).
 
-Stage 3 shards the (cast) model first (`deepshard.zero.shard` on ``dims.dense_dp`` with the
-policy of the ``zero_optimization`` section), then builds the optimizer side on it; the module
-stays the user's object. A model built under `deepshard.zero.Init` is sharded already: its
-`ShardedModule` (checked by `deepshard.engine._init_built`) is used as it is. Muon at stage 3
-takes the same transform (its matrices' gradients are gathered from the partitions at the
-step, `deepshard.zero._stage3_muon`); the optimizer was built on the whole parameters before
-sharding, so its halves are split by their real shapes.
+Every stage shards the (cast) model first (`deepshard.zero.shard` on ``dims.dense_dp`` with the
+policy of the ``zero_optimization`` section, `deepshard.zero.zero_policy`; at stages 0-2 its
+units stay resident and only plan the gradient buckets), then builds the optimizer side on it;
+the module stays the user's object. A model built under `deepshard.zero.Init` is sharded
+already: its `ShardedModule` (checked by `deepshard.engine._init_built`) is used as it is.
+Muon at stage 3 takes the same transform (its matrices' gradients are gathered from the
+partitions at the step, `deepshard.zero._stage3_muon`); the optimizer was built on the whole
+parameters before sharding, so its halves are split by their real shapes.
 """
 
 from __future__ import annotations
@@ -37,11 +38,14 @@ from deepshard.interface import DeepShardConfig, PlacementRegistry
 from deepshard.interface.errors import ConfigError
 from deepshard.optimizers import Muon, muon_update
 from deepshard.zero import (
+    ResidentModule,
+    ShardedModule,
     ZeroOptimizer,
     build_zero_optimizer,
+    optimizer_side_problems,
     shard,
     sharded_module_of,
-    stage3_policy,
+    zero_policy,
 )
 
 __all__ = ["parallel_dims", "wrap_with_zero"]
@@ -82,35 +86,23 @@ def wrap_with_zero(
     """
     placements = PlacementRegistry.replicated(module.named_parameters(), dims.topology)
     muon = isinstance(optimizer, Muon)
-    sharded = None
-    if config.zero_optimization.stage == 3:
-        offload = config.zero_optimization.offload_optimizer
-        if muon and offload is not None and offload.device == "nvme":  # before sharding
-            raise ConfigError.from_problems(
-                [
-                    (
-                        "zero_optimization.offload_optimizer.device",
-                        "'nvme' swaps the state of DeepShard's CPU Adam only, and Muon steps "
-                        "the host masters itself; use device 'cpu'",
-                    )
-                ]
-            )
-        sharded = sharded_module_of(module)  # built under deepshard.zero.Init, checked
-        if sharded is None:
-            sharded = shard(
-                module,
-                parallel_dims=dims,
-                policy=stage3_policy(config),
-                placements=placements,
-                comms_logger=comms_logger,
-            )
+    problems = optimizer_side_problems(optimizer, config, transformed=muon)
+    if problems:  # before shard() re-points the model's parameters
+        raise ConfigError.from_problems(problems)
+    # a model built under deepshard.zero.Init is sharded already (stage 3, checked)
+    sharded: ShardedModule | ResidentModule | None = sharded_module_of(module)
+    if sharded is None:
+        sharded = shard(
+            module,
+            parallel_dims=dims,
+            policy=zero_policy(config),
+            placements=placements,
+            comms_logger=comms_logger,
+        )
     return build_zero_optimizer(
         optimizer,
         config,
         group=dims.dense_dp,
-        comms_logger=comms_logger,
-        named_parameters=module.named_parameters(),
-        placements=placements,
         full_grad_transform=_muon_transform if muon else None,
         transformed_params=_muon_params(optimizer) if muon else (),
         sharded_module=sharded,

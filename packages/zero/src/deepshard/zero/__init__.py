@@ -19,9 +19,10 @@ from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._gather_waits import GatherWaits
 from deepshard.zero._gathered import GatheredParameters, partition
 from deepshard.zero._init import Init
-from deepshard.zero._init_settings import stage3_policy
+from deepshard.zero._init_settings import stage3_policy, zero_policy
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
 from deepshard.zero._policy import ZeroPolicy
+from deepshard.zero._resident import ResidentModule
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._shard import register_external_parameter, shard, shard_info, sharded_module_of
 from deepshard.zero._shard_info import ShardInfo
@@ -44,7 +45,7 @@ from deepshard.zero.access import (
     safe_set_local_grad,
     safe_set_local_optimizer_state,
 )
-from deepshard.zero.build import build_zero_optimizer
+from deepshard.zero.build import build_zero_optimizer, optimizer_side_problems
 from deepshard.zero.layout import (
     ALIGNMENT_BYTES,
     Bucket,
@@ -81,6 +82,7 @@ __all__ = [
     "PartitionedOwner",
     "PendingReduction",
     "Piece",
+    "ResidentModule",
     "SavedTensorOffload",
     "ShardInfo",
     "ShardedModule",
@@ -95,6 +97,7 @@ __all__ = [
     "grad_overflow",
     "is_zero_safe",
     "offload_saved_tensors",
+    "optimizer_side_problems",
     "partition",
     "plan_flat_layout",
     "plan_gather_calls",
@@ -118,5 +121,6 @@ __all__ = [
     "sharded_module_of",
     "stage3_policy",
     "torch_dtype",
+    "zero_policy",
     "zero_problems",
 ]

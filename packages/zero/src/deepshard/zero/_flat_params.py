@@ -1,4 +1,4 @@
-"""One param group's model parameters, living in one flat buffer laid out by a `FlatLayout`.
+"""One unit's model parameters, living in one flat buffer laid out by a `FlatLayout`.
 
 Each parameter's ``.data`` is re-pointed at its slot of the buffer (its values copied first), so
 the model keeps its ``nn.Parameter`` objects, hooks and names, and every update of the buffer
@@ -19,20 +19,18 @@ in 1 MB views that stay in the heap and in cache).
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from deepshard.comm import CommsLogger, Group, all_gather_into_tensor
 from deepshard.interface.errors import ConfigError
-from deepshard.zero.layout import FlatLayout, GatherCall, gather_copies, plan_flat_layout
+from deepshard.zero.layout import FlatLayout, GatherCall, gather_copies
 
 __all__ = [
     "MASTER_VIEW_NUMEL",
     "FlatParams",
     "common_dtype_and_device",
-    "flatten_param_groups",
     "master_views",
 ]
 
@@ -89,7 +87,7 @@ def common_dtype_and_device(
 
 
 class FlatParams:
-    """A param group's trainable parameters re-pointed into one flat buffer.
+    """A unit's trainable parameters re-pointed into one flat buffer (`deepshard.zero._resident`).
 
     Args:
         params: The trainable parameters, in layout order (one dtype and device).
@@ -176,67 +174,3 @@ class FlatParams:
             if call.bucket is None:
                 for src, dst, length in gather_copies(self.layout, call):
                     self.buffer[dst : dst + length].copy_(gathered[src : src + length])
-
-
-def _check_unique(param_groups: Sequence[MutableMapping[str, Any]]) -> None:
-    seen: set[int] = set()
-    for g, param_group in enumerate(param_groups):
-        for param in param_group["params"]:
-            if id(param) in seen:
-                raise ConfigError(
-                    f"a parameter appears twice in the optimizer's param groups (group {g}); "
-                    "list every parameter once"
-                )
-            seen.add(id(param))
-
-
-def flatten_param_groups(
-    param_groups: Sequence[MutableMapping[str, Any]],
-    *,
-    world_size: int,
-    rank: int,
-    bucket_numel: int,
-) -> tuple[list[list[torch.nn.Parameter]], list[FlatParams], list[torch.Tensor], torch.device]:
-    """Move every group's trainable parameters into a flat buffer; point the group at a master.
-
-    Each group's ``"params"`` is replaced by this rank's fp32 master partition (or emptied when
-    the partition is empty); the other keys (``lr``, ``weight_decay``...) stay.
-
-    Args:
-        param_groups: The inner optimizer's param groups, changed in place.
-        world_size: Partitions per group (1 at stage 0).
-        rank: This rank's partition.
-        bucket_numel: ``reduce_bucket_size``.
-
-    Returns:
-        Per group: the trainable parameters, their `FlatParams` and the master; and the device.
-
-    Raises:
-        ConfigError: A parameter listed twice, a group mixing dtypes or devices, non-float
-            parameters, or groups on different devices.
-    """
-    _check_unique(param_groups)
-    params, flats, masters = [], [], []
-    devices: set[torch.device] = set()
-    for g, param_group in enumerate(param_groups):
-        trainable = [p for p in param_group["params"] if p.requires_grad]
-        dtype, device = common_dtype_and_device(trainable, g)
-        layout = plan_flat_layout(
-            [tuple(p.shape) for p in trainable],
-            element_size=dtype.itemsize,
-            world_size=world_size,
-            bucket_numel=bucket_numel,
-        )
-        flat = FlatParams(trainable, layout, dtype, device)
-        master = flat.master_partition(rank)
-        param_group["params"] = [master] if master.numel() else []
-        params.append(trainable)
-        flats.append(flat)
-        masters.append(master)
-        devices.update([device] if trainable else [])
-    if len(devices) > 1:
-        raise ConfigError(
-            f"the param groups live on several devices {sorted(map(str, devices))}; ZeRO needs "
-            "the whole model on one device"
-        )
-    return params, flats, masters, devices.pop() if devices else torch.device("cpu")

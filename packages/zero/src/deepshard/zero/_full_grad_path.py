@@ -1,12 +1,15 @@
 """Stages 0-2's full-gradient path (`deepshard.interface.FullGradientPath`): Muon under ZeRO 0-2.
 
-`FullGroupsPath` owns the param groups under the full-gradient transform (see
-`deepshard.zero._full_grads` for the contract): their gradients go to a store of their own
+`FullGroupsPath` owns the units holding parameters under the full-gradient transform (see
+`deepshard.zero._full_grads` for the contract; the transformed parameters make up whole param
+groups, such as Muon's ``use_muon`` groups): those units' gradients go to a store of their own
 (`deepshard.zero._full_grad_store.FullGroupGradients`), which all-reduces their buckets whole
-once per accumulation cycle; at the step it runs the transform on each parameter this rank holds
-a piece of and writes the piece of the update into this rank's gradient partition. The inner
-optimizer steps one 1-D view of the master per such piece, so `full_shape` can give each view
-its parameter's real shape; the ordinary groups keep flat masters cut into bounded views.
+once per accumulation cycle; at the step it runs the transform on each transformed parameter
+this rank holds a piece of and writes the piece of the update into this rank's gradient
+partition (the unit's other parameters keep their pieces of the reduced gradient). The inner
+optimizer steps one 1-D view of the master per transformed piece, so `full_shape` can give each
+view its parameter's real shape; everything else is stepped in bounded flat views
+(`deepshard.zero._master_views`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from typing import Any
 
 import torch
 
-from deepshard.zero._flat_params import master_views
 from deepshard.zero._full_grad_store import FullGroupGradients, local_settings
 from deepshard.zero._full_grads import (
     BufferAccess,
@@ -26,7 +28,7 @@ from deepshard.zero._full_grads import (
     selected_groups,
 )
 from deepshard.zero._gradients import StoreSettings
-from deepshard.zero._shards import ParamShard
+from deepshard.zero._master_views import ViewPlan, plan_master_views
 from deepshard.zero.layout import FlatLayout, ParamSlot
 
 __all__ = ["FullGroupsPath", "StoreChoice"]
@@ -55,6 +57,9 @@ class _Target:
 
     name: str
     group_index: int
+    """Its unit (the layout it lives in)."""
+    param_group: int
+    """The inner optimizer's param group whose settings the transform reads."""
     slot: ParamSlot
     flat_start: int
     flat_stop: int
@@ -66,57 +71,54 @@ class _Target:
 
 
 class FullGroupsPath(BufferAccess):
-    """The full groups of one `ZeroOptimizer` on one rank: their store, views and buffers.
+    """The full units of one `ZeroOptimizer` on one rank: their store, views and buffers.
+
+    A *full unit* holds at least one transformed parameter; its gradient is all-reduced whole
+    (its other parameters then read their pieces of that), and each transformed piece's
+    gradient is replaced by its parameter's update at the step.
 
     Args:
         transform: The full-gradient transform (``None``: nothing is transformed).
-        flags: Per group, whether it is transformed (`selected_groups`).
-        layouts: Every group's layout.
-        masters: Every group's fp32 master partition on this rank.
-        names: Every group's parameter names, in layout order.
-        rank: This rank's partition index (0 when unpartitioned).
-        view_numel: Most elements of a view of an ordinary group's master (`master_views`);
-            ``None`` steps each such master whole.
+        targets: The transformed pieces this rank holds.
+        flags: Per unit, whether it is a full unit.
+        layouts: Every unit's layout.
+        masters: Every unit's fp32 master partition on this rank.
+        plans: Every master view of this rank (`deepshard.zero._master_views`).
     """
 
     def __init__(
         self,
         transform: FullGradTransform | None,
+        targets: Sequence[_Target],
         flags: Sequence[bool],
         layouts: Sequence[FlatLayout],
         masters: Sequence[torch.Tensor],
-        names: Sequence[Sequence[str]],
-        rank: int,
-        view_numel: int | None = None,
+        plans: Sequence[ViewPlan],
     ) -> None:
         self.flags = tuple(flags)
         self._layouts = tuple(layouts)
-        self._targets = [
-            _Target(names[g][slot.index], g, slot, piece.flat_start, piece.flat_stop,
-                    piece.local_offset)
-            for g, layout in enumerate(layouts) if self.flags[g]
-            for slot in layout.slots
-            for piece in layout.pieces(slot) if piece.rank == rank
-        ]  # fmt: skip
+        self._targets = list(targets)
         shapes = {t.name: t.slot.shape for t in self._targets}
         hint = "load it into the same model, optimizer and data-parallel layout"
         self._buffers = TransformBuffers(transform, shapes, hint)
-        self.views: list[list[tuple[torch.Tensor, int, int]]] = []
-        """Per group, the tensors the inner optimizer steps and their range of the partition."""
+        self.views: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in masters]
+        """Per unit, the tensors the inner optimizer steps and their range of the partition."""
+        self._groups: list[list[torch.Tensor]] = []
         self._shapes: dict[int, tuple[int, ...]] = {}
-        for g, master in enumerate(masters):
-            if not self.flags[g]:
-                self.views.append(master_views(master, view_numel))
-                continue
-            group_views = []
-            for t in (t for t in self._targets if t.group_index == g):
-                view = master[t.local_offset : t.local_stop]
-                self._shapes[id(view)] = t.slot.shape
-                group_views.append((view, t.local_offset, t.local_stop))
-            self.views.append(group_views)
+        for plan in plans:
+            master = masters[plan.unit]
+            whole = plan.lo == 0 and plan.hi == master.numel() and plan.shape is None
+            view = master if whole else master[plan.lo : plan.hi]
+            if plan.shape is not None:
+                self._shapes[id(view)] = plan.shape
+            self.views[plan.unit].append((view, plan.lo, plan.hi))
+            while len(self._groups) <= plan.group:
+                self._groups.append([])
+            if plan.hi > plan.lo:
+                self._groups[plan.group].append(view)
         self._local = {g: i for i, g in enumerate(self.groups)}
         self.store: FullGroupGradients | None = None
-        """The full groups' gradient store (`build_store`); ``None`` without full groups."""
+        """The full units' gradient store (`build_store`); ``None`` without full units."""
 
     @classmethod
     def build(
@@ -126,35 +128,45 @@ class FullGroupsPath(BufferAccess):
         *,
         params: Sequence[Sequence[torch.Tensor]],
         layouts: Sequence[FlatLayout],
-        shards: Sequence[ParamShard],
+        names: Sequence[Sequence[str]],
         masters: Sequence[torch.Tensor],
         rank: int,
         param_groups: Sequence[MutableMapping[str, Any]],
         store: StoreChoice,
         view_numel: int | None = None,
     ) -> FullGroupsPath:
-        """Select the groups, build their store, point the inner optimizer's groups at views.
+        """Select the units, build their store, point the inner optimizer's groups at views.
 
         Args:
             transform: The transform, or ``None``.
             selected: ``transformed_params``.
-            params: Each group's trainable parameters.
+            params: Each unit's trainable parameters.
             layouts: Their layouts.
-            shards: Every trainable parameter's shard (its name and layout), group by group.
-            masters: Every group's master partition on this rank.
+            names: Each unit's parameter names, in layout order.
+            masters: Every unit's master partition on this rank.
             rank: This rank's partition index.
             param_groups: The inner optimizer's param groups, changed in place.
-            store: How to build the full groups' store.
-            view_numel: As for the constructor.
+            store: How to build the full units' store.
+            view_numel: Most elements of an ordinary master view; ``None``: unbounded.
 
         Raises:
-            ConfigError: As `selected_groups`.
+            ConfigError: As `selected_groups` (on the inner optimizer's param groups), or a
+                param group holding a parameter no unit owns.
         """
-        flags = selected_groups(params, selected, has_transform=transform is not None)
-        names: list[list[str]] = [[] for _ in params]
-        for shard in shards:
-            names[shard.group_index].append(shard.name)
-        full = cls(transform, flags, layouts, masters, names, rank, view_numel)
+        trainable = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
+        flags = selected_groups(trainable, selected, has_transform=transform is not None)
+        chosen = {id(p) for g, flag in zip(trainable, flags, strict=True) if flag for p in g}
+        group_of = {id(p): g for g, ps in enumerate(trainable) for p in ps}
+        plans = plan_master_views(params, layouts, rank, param_groups, chosen, view_numel)
+        targets = [
+            _Target(names[u][slot.index], u, group_of[id(param)], slot, piece.flat_start,
+                    piece.flat_stop, piece.local_offset)
+            for u, layout in enumerate(layouts)
+            for param, slot in zip(params[u], layout.slots, strict=True) if id(param) in chosen
+            for piece in layout.pieces(slot) if piece.rank == rank
+        ]  # fmt: skip
+        unit_flags = [any(id(p) in chosen for p in ps) for ps in params]
+        full = cls(transform, targets, unit_flags, layouts, masters, plans)
         for g, param_group in enumerate(param_groups):
             param_group["params"] = full.inner_params(g)
         full.build_store(store)
@@ -174,7 +186,7 @@ class FullGroupsPath(BufferAccess):
 
     @property
     def groups(self) -> tuple[int, ...]:
-        """Indices of the param groups this path owns."""
+        """Indices of the units this path owns."""
         return tuple(g for g, flag in enumerate(self.flags) if flag)
 
     @property
@@ -184,7 +196,7 @@ class FullGroupsPath(BufferAccess):
 
     def inner_params(self, group_index: int) -> list[torch.Tensor]:
         """What the inner optimizer's param group ``group_index`` holds (no empty tensor)."""
-        return [view for view, lo, hi in self.views[group_index] if hi > lo]
+        return list(self._groups[group_index]) if group_index < len(self._groups) else []
 
     def full_shape(self, param: object) -> tuple[int, ...] | None:
         """The parameter's shape for a view of a transformed group, else ``None``."""
@@ -196,7 +208,7 @@ class FullGroupsPath(BufferAccess):
         """Replace every transformed piece of ``grads`` by the transform's update.
 
         Args:
-            grads: This rank's fp32 gradient partitions of every group, changed in place.
+            grads: This rank's fp32 gradient partitions of every unit, changed in place.
             loss_scale: The factor the loss was multiplied by (the pieces stay scaled by it).
             param_groups: The inner optimizer's param groups.
 
@@ -206,7 +218,7 @@ class FullGroupsPath(BufferAccess):
         for t in self._targets:
             assert self.store is not None, "targets exist only with full groups"
             grad = self.store.full_gradient(self._local[t.group_index], t.slot)
-            group: Mapping[str, Any] = param_groups[t.group_index]
+            group: Mapping[str, Any] = param_groups[t.param_group]
             update = self._buffers.update(t.name, grad, loss_scale, group)
             dest = grads[t.group_index][t.local_offset : t.local_stop]
             self._buffers.write(dest, update, (t.flat_start, t.flat_stop), loss_scale)

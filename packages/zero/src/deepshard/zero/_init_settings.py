@@ -8,7 +8,7 @@ DeepSpeed's ``zero.Init`` does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from deepshard.zero._param_offload import ParamOffload
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero.reduction import GradientReduction, torch_dtype
 
-__all__ = ["InitSettings", "resolve_init_settings", "stage3_policy"]
+__all__ = ["InitSettings", "resolve_init_settings", "stage3_policy", "zero_policy"]
 
 ConfigSource = DeepShardConfig | dict[str, Any] | str | Path
 
@@ -51,11 +51,11 @@ class InitSettings:
     slice_files: ParamOffload | None = None
 
 
-def stage3_policy(config: DeepShardConfig) -> ZeroPolicy:
-    """The `ZeroPolicy` of a whole config: its ``zero_optimization`` section, the reduction
-    settings (``gradient_allreduce_op``, pre-division, ``communication_data_type``) and
-    ``data_types.grad_accum_dtype`` and the ``aio`` section of NVMe parameter offload (what
-    the engine shards with)."""
+def zero_policy(config: DeepShardConfig) -> ZeroPolicy:
+    """The `ZeroPolicy` of a whole config, at its ``zero_optimization.stage``: the section, the
+    reduction settings (``gradient_allreduce_op``, pre-division, ``communication_data_type``),
+    ``data_types.grad_accum_dtype`` and the ``aio`` section of NVMe parameter offload (what the
+    engine shards with at every stage)."""
     return ZeroPolicy.from_config(
         config.zero_optimization,
         reduction=GradientReduction.from_names(
@@ -69,6 +69,11 @@ def stage3_policy(config: DeepShardConfig) -> ZeroPolicy:
         ),
         aio=config.aio,
     )
+
+
+def stage3_policy(config: DeepShardConfig) -> ZeroPolicy:
+    """`zero_policy` at stage 3 whatever the section's stage (`Init` partitions at stage 3)."""
+    return replace(zero_policy(config), stage=3)
 
 
 def _load(config: ConfigSource | None) -> DeepShardConfig | None:

@@ -290,6 +290,7 @@ def build_offload(
     masters: Sequence[torch.Tensor],
     flats: Sequence[FlatParams],
     aio: AioConfig | None,
+    ranges: Sequence[tuple[int, int, int, int]],
 ) -> HostOffload | None:
     """The host side of optimizer offload, or ``None`` when the config has none.
 
@@ -304,6 +305,8 @@ def build_offload(
         masters: This rank's fp32 master partition of every group, on the device.
         flats: Every group's flat parameters (their buffer gives the compute dtype).
         aio: The ``aio`` section (NVMe); ``None`` for its defaults.
+        ranges: ``(unit, lo, hi, param group)``: what each param group steps of each unit's
+            partition (`deepshard.zero._master_views`, uncut).
     """
     section, kind = config.offload_optimizer, offload_device(config)
     if section is None or kind == "none":
@@ -312,7 +315,7 @@ def build_offload(
     device = flats[0].buffer.device if flats else torch.device("cpu")
     allocate = host_allocator(_accelerator(device), section.pin_memory)
     numels = [m.numel() for m in masters]
-    subs = plan_sub_groups(numels, config.sub_group_size)
+    subs = plan_sub_groups(ranges, config.sub_group_size)
     fp32_states = getattr(optimizer, "fp32_optimizer_states", True) is not False
     moment_dtype = torch.float32 if fp32_states else torch.bfloat16
     state: HostState | NvmeState
@@ -336,7 +339,12 @@ def build_offload(
     device_partitions = [m.to(dtype, copy=True) for m, dtype in zip(masters, dtypes, strict=True)]
     view_numel = master_view_numel(optimizer, transformed=False)
     views = _views(host_masters, subs, len(masters), view_numel, kernel=rule is not None)
-    for g, param_group in enumerate(optimizer.param_groups):
-        param_group["params"] = [view for view, lo, hi in views[g] if hi > lo]
+    groups: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    for sub in subs:
+        groups[sub.param_group] += [
+            v for v, lo, hi in views[sub.group] if sub.start <= lo < sub.stop
+        ]
+    for param_group, held in zip(optimizer.param_groups, groups, strict=True):
+        param_group["params"] = [view for view in held if view.numel()]
     host_grads = [allocate(n, torch.float32) for n in numels]
     return HostOffload(subs, state, rule, views, host_grads, host_out, device_partitions)

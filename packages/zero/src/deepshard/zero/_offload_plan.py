@@ -78,23 +78,32 @@ class SubGroup:
         return self.stop - self.start
 
 
-def plan_sub_groups(partition_numels: Sequence[int], sub_group_size: int) -> tuple[SubGroup, ...]:
-    """Every group's partition cut into ranges of at most ``sub_group_size`` elements.
+def plan_sub_groups(
+    ranges: Sequence[tuple[int, int, int, int]], sub_group_size: int
+) -> tuple[SubGroup, ...]:
+    """Every stepped range of the partitions cut into sub-groups of at most ``sub_group_size``.
 
     Args:
-        partition_numels: Elements of this rank's partition of each param group.
+        ranges: ``(group, lo, hi, param group)``: elements ``[lo, hi)`` of group ``group``'s
+            partition (a unit at stages 0-2), stepped with ``param group``'s hyper-parameters
+            (`deepshard.zero._master_views`), in partition order.
         sub_group_size: The most elements per sub-group (``zero_optimization.sub_group_size``),
             at least 1.
 
     Returns:
-        The sub-groups, group by group, in partition order; none for an empty partition.
+        The sub-groups in partition order, numbered within their group; none for an empty
+        range. ``hyper`` is left ``None`` where the param group has the group's index.
     """
     assert sub_group_size >= 1, "offload_problems refuses sub_group_size 0"
-    return tuple(
-        SubGroup(g, i, lo, min(lo + sub_group_size, numel))
-        for g, numel in enumerate(partition_numels)
-        for i, lo in enumerate(range(0, numel, sub_group_size))
-    )
+    subs: list[SubGroup] = []
+    counts: dict[int, int] = {}
+    for group, lo, hi, param_group in ranges:
+        hyper = None if param_group == group else param_group
+        for start in range(lo, hi, sub_group_size):
+            index = counts.get(group, 0)
+            counts[group] = index + 1
+            subs.append(SubGroup(group, index, start, min(start + sub_group_size, hi), hyper))
+    return tuple(subs)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from deepshard.zero._offload_access import offloaded_views, state_name, store_of
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:
+    from deepshard.zero._full_grad_path import FullGroupsPath
     from deepshard.zero._full_grad_store import SplitGradients
     from deepshard.zero._offload import HostOffload
     from deepshard.zero._passes import BackwardPasses
@@ -42,6 +43,7 @@ class ZeroPartitionAccess:
     inner: torch.optim.Optimizer
     _params: list[list[torch.nn.Parameter]]
     _masters: list[torch.Tensor]
+    _full: FullGroupsPath
     _shards: tuple[ParamShard, ...]
     _store: SplitGradients
     _passes: BackwardPasses
@@ -136,13 +138,11 @@ class ZeroPartitionAccess:
 
     def _state_slices(self, g: int, lo: int, hi: int, key: str | None) -> list[torch.Tensor]:
         """Slices of state ``key`` covering ``[lo, hi)`` of group ``g``'s master partition."""
-        master = self._masters[g]
         keys: set[str] = set()
         slices = []
-        for view in self.inner.param_groups[g]["params"]:
+        for view, start, _ in self._full.views[g]:  # the unit's views, whichever group steps them
             state = self.inner.state.get(view, {})
             keys.update(k for k, v in state.items() if _flat_like(v, view))
-            start = view.storage_offset() - master.storage_offset()
             a, b = max(lo, start), min(hi, start + view.numel())
             if a < b and key in state and _flat_like(state[key], view):
                 slices.append(state[key].view(-1)[a - start : b - start])

@@ -36,6 +36,9 @@ class ZeroPolicy:
     """What `deepshard.zero.shard` partitions and how it gathers, releases and reduces.
 
     Attributes:
+        stage: ``stage``: 3 partitions the parameters (units gathered and released around
+            their use); 0-2 keep every unit resident, its flat layout cut into buckets of
+            ``reduce_bucket_size`` for gradient reduction (`deepshard.zero._resident`).
         unit_classes: Module classes each of whose instances is a unit; empty means the
             default rule (``_no_split_modules`` class names, else ``ModuleList`` children).
         unit_rule: A predicate on ``(name, module)`` choosing the units; wins over
@@ -54,7 +57,11 @@ class ZeroPolicy:
             order while they fit, as DeepSpeed takes parameters. The root is not counted: it
             stays gathered whatever the thresholds.
         reduce_bucket_size: ``reduce_bucket_size``: most elements of one gradient
-            reduce-scatter; a larger unit is reduced in several calls.
+            reduce-scatter; a larger unit is reduced in several calls (stages 0-2: its layout
+            is cut into buckets of whole parameters of at most this size; at most 4M elements
+            on CPU).
+        allgather_bucket_size: ``allgather_bucket_size``: most elements of one all-gather of
+            updated parameters after a step at stages 1-2 (at most 4M on CPU).
         overlap_comm: ``overlap_comm``: reduce-scatters run asynchronously, at most two in
             flight; else each finishes before backward goes on.
         param_dtype: Dtype the partitions and gathered parameters are held in; ``None`` keeps
@@ -69,6 +76,7 @@ class ZeroPolicy:
             between uses; ``None`` keeps them on the device.
     """
 
+    stage: int = 3
     unit_classes: tuple[type[torch.nn.Module], ...] = ()
     unit_rule: UnitRule | None = None
     prefetch_bucket_size: int = 50_000_000
@@ -77,6 +85,7 @@ class ZeroPolicy:
     param_persistence_threshold: int = 100_000
     model_persistence_threshold: int = sys.maxsize
     reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = True
     param_dtype: torch.dtype | None = None
     grad_accum_dtype: torch.dtype | None = None
@@ -95,8 +104,17 @@ class ZeroPolicy:
         problems = [
             (key, f"must be >= 0, got {value}") for key, value in sizes.items() if value < 0
         ]
+        if self.stage not in (0, 1, 2, 3):
+            problems.append(("stage", f"must be 0, 1, 2 or 3, got {self.stage}"))
         if self.reduce_bucket_size < 1:
             problems.append(("reduce_bucket_size", f"must be > 0, got {self.reduce_bucket_size}"))
+        if self.allgather_bucket_size < 1:
+            size = self.allgather_bucket_size
+            problems.append(("allgather_bucket_size", f"must be > 0, got {size}"))
+        if self.param_offload is not None and self.stage != 3:
+            problems.append(
+                ("offload_param", f"needs stage 3 (parameters are whole at stage {self.stage})")
+            )
         bad = [c for c in self.unit_classes if not issubclass(c, torch.nn.Module)]
         if bad:
             problems.append(("unit_classes", f"must be nn.Module subclasses, got {bad}"))
@@ -128,6 +146,7 @@ class ZeroPolicy:
             aio: The top-level ``aio`` section (NVMe parameter offload).
         """
         return cls(
+            stage=zero.stage,
             unit_classes=unit_classes,
             unit_rule=unit_rule,
             prefetch_bucket_size=zero.prefetch_bucket_size,
@@ -136,6 +155,7 @@ class ZeroPolicy:
             param_persistence_threshold=zero.param_persistence_threshold,
             model_persistence_threshold=zero.model_persistence_threshold,
             reduce_bucket_size=zero.reduce_bucket_size,
+            allgather_bucket_size=zero.allgather_bucket_size,
             overlap_comm=zero.overlap_comm,
             grad_accum_dtype=grad_accum_dtype,
             reduction=reduction if reduction is not None else GradientReduction(),

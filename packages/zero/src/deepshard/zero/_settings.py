@@ -2,8 +2,8 @@
 
 Settings this package does not run are refused with the key path to change (`zero_problems`).
 
-**Message sizes** (`message_sizes`). ``reduce_bucket_size`` and ``allgather_bucket_size`` bound
-the elements one collective moves; DeepSpeed's defaults (5e8) make every param group of a
+**Message sizes** (`message_numel`). ``reduce_bucket_size`` and ``allgather_bucket_size`` bound
+the elements one collective moves; DeepSpeed's defaults (5e8) make every unit of a
 model below 500M parameters one bucket, reduced and gathered in one call each. On CPU (gloo) one
 call over more than ~32 MB is slow: gloo's reduce-scatter and all-gather of a 42 MB fp32 bucket
 between two local ranks took 50-60 ms, the same bytes in 16 MB calls in flight together 16-30
@@ -15,36 +15,22 @@ buffers small. Accelerator backends keep the configured sizes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
-
 import torch
 
 from deepshard.interface.config import DeepShardConfig, ZeroConfig
 from deepshard.interface.status import planned_problems
 from deepshard.zero._offload_plan import offload_config_problems
 
-__all__ = ["CPU_MESSAGE_NUMEL", "message_sizes", "zero_problems"]
+__all__ = ["CPU_MESSAGE_NUMEL", "message_numel", "zero_problems"]
 
 CPU_MESSAGE_NUMEL = 1 << 22
 """Most elements of one reduce bucket or one all-gather call for CPU parameters (16 MiB fp32)."""
 
 
-def message_sizes(config: ZeroConfig, param_groups: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
-    """``(bucket elements, all-gather call elements)`` for parameters on their device.
-
-    Args:
-        config: The ``zero_optimization`` section (``reduce_bucket_size``,
-            ``allgather_bucket_size``).
-        param_groups: The inner optimizer's param groups; the first trainable parameter's
-            device decides (ZeRO keeps a model on one device).
-    """
-    devices = (p.device for g in param_groups for p in g["params"] if p.requires_grad)
-    device = next(devices, torch.device("cpu"))
-    bucket, gather = config.reduce_bucket_size, config.allgather_bucket_size
-    if device.type == "cpu":
-        return min(bucket, CPU_MESSAGE_NUMEL), min(gather, CPU_MESSAGE_NUMEL)
-    return bucket, gather
+def message_numel(numel: int, device: torch.device) -> int:
+    """The elements one collective may move: ``numel`` (``reduce_bucket_size`` or
+    ``allgather_bucket_size``), capped at `CPU_MESSAGE_NUMEL` for CPU tensors."""
+    return min(numel, CPU_MESSAGE_NUMEL) if device.type == "cpu" else numel
 
 
 def zero_problems(

@@ -1,4 +1,8 @@
-"""`shard`: ZeRO stage 3's one verb — partition a model's parameters over data parallelism.
+"""`shard`: ZeRO's model-side verb — partition a model's parameters over data parallelism.
+
+At stages 0-2 (``ZeroPolicy(stage=k)``) it builds a `ResidentModule` instead: the same units,
+every one resident, laid out in buckets for the optimizer side's reductions
+(`deepshard.zero._resident`). The rest of this note is stage 3.
 
 ``shard(model, parallel_dims=dims, policy=ZeroPolicy(...))`` cuts the model into units
 (`deepshard.zero._units`), moves each unit's parameters into its flat layout, keeps this rank's
@@ -21,6 +25,7 @@ from deepshard.interface.errors import ConfigError
 from deepshard.zero._lookup import owner_of
 from deepshard.zero._param_offload import build_homes
 from deepshard.zero._policy import ZeroPolicy
+from deepshard.zero._resident import ResidentModule, build_resident
 from deepshard.zero._shard_info import ShardInfo, build_shard_infos
 from deepshard.zero._sharded import ShardedModule, UnitHook
 from deepshard.zero._unit_state import UnitState
@@ -45,8 +50,10 @@ def shard(
     policy: ZeroPolicy | None = None,
     placements: PlacementRegistry | None = None,
     comms_logger: CommsLogger | None = None,
-) -> ShardedModule:
-    """Partition ``module``'s parameters over the dense data-parallel group (ZeRO stage 3).
+) -> ShardedModule | ResidentModule:
+    """Partition ``module``'s parameters over the dense data-parallel group (ZeRO stage 3), or
+    lay them out per unit for the reductions of stages 0-2 (``policy.stage`` below 3: a
+    `ResidentModule`, every unit resident, `deepshard.zero._resident`).
 
     Move and cast the model first: partitions keep the parameters' device and dtype.
 
@@ -62,7 +69,8 @@ def shard(
         comms_logger: Records every all-gather and reduce-scatter.
 
     Returns:
-        The handle that gathers, releases and reduces.
+        The handle that gathers, releases and reduces (stage 3); at stages 0-2 the resident
+        units the optimizer side (`deepshard.zero.ZeroOptimizer`) reduces and refreshes.
 
     Raises:
         ConfigError: ``module`` is already sharded, neither or both of ``parallel_dims`` and
@@ -83,6 +91,8 @@ def shard(
     pg = resolve_group(parallel_dims.dense_dp if parallel_dims is not None else group)
     if policy.param_dtype is not None:
         module.to(policy.param_dtype)
+    if policy.stage < 3:
+        return build_resident(module, pg, policy, placements, comms_logger)
     return build_sharded(module, pg, policy, placements, comms_logger)
 
 

@@ -102,12 +102,19 @@ def plan_units(
     *,
     world_size: int,
     shapes: Mapping[int, tuple[int, ...]] | None = None,
+    bucket_numel: int = _ONE_BUCKET,
+    trainable_only: bool = False,
 ) -> tuple[UnitPlan, ...]:
     """The units of ``module`` under ``policy`` and their flat layouts over ``world_size`` ranks.
 
     Units that own no parameter are left out, except the root (index 0), which always exists.
     ``shapes`` gives the full shape of parameters (by ``id``) whose ``.data`` is not whole
     (partitioned by `deepshard.zero.Init`); the others' own shapes are used.
+
+    Stage 3 keeps each unit in one bucket (one all-gather rebuilds it). Stages 0-2 pass
+    ``bucket_numel`` (``reduce_bucket_size``, capped on CPU) so a unit's gradients are reduced
+    in buckets as they become ready, and ``trainable_only``: frozen parameters then belong to
+    no unit and keep their own storage (nothing is gathered or reduced for them).
 
     Raises:
         ConfigError: A unit's parameters mix dtypes or devices.
@@ -121,6 +128,8 @@ def plan_units(
         unit = owner_of_module[mod_name]
         for p_name, param in sub.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if trainable_only and not param.requires_grad:
+                continue
             if id(param) not in owner_of_param:
                 owner_of_param[id(param)] = unit
                 owned[unit].append((full, param))
@@ -143,7 +152,7 @@ def plan_units(
                 modules[name],
                 tuple(n for n, _ in params),
                 tuple(p for _, p in params),
-                _layout(name, [p for _, p in params], world_size, shapes or {}),
+                _layout(name, [p for _, p in params], world_size, shapes or {}, bucket_numel),
                 tuple(external),
             )
         )
@@ -155,17 +164,18 @@ def _layout(
     params: list[torch.nn.Parameter],
     world_size: int,
     shapes: Mapping[int, tuple[int, ...]],
+    bucket_numel: int,
 ) -> FlatLayout:
     kinds = {(p.dtype, p.device) for p in params}
     if len(kinds) > 1:
         raise ConfigError(
-            f"ZeRO stage 3 unit {name or '<root>'!r} mixes parameter dtypes/devices "
+            f"ZeRO unit {name or '<root>'!r} mixes parameter dtypes/devices "
             f"{sorted(map(str, kinds))}; cast and move the model to one dtype and device "
             "before deepshard.zero.shard"
         )
     if any(not p.is_floating_point() for p in params):
         raise ConfigError(
-            f"ZeRO stage 3 unit {name or '<root>'!r} has non-float parameters; register them as "
+            f"ZeRO unit {name or '<root>'!r} has non-float parameters; register them as "
             "buffers instead"
         )
     element_size = params[0].element_size() if params else 4
@@ -173,5 +183,5 @@ def _layout(
         [shapes.get(id(p), tuple(p.shape)) for p in params],
         element_size=element_size,
         world_size=world_size,
-        bucket_numel=_ONE_BUCKET,
+        bucket_numel=bucket_numel,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -10,12 +11,34 @@ from deepshard.comm import CommsLogger, Group
 from deepshard.interface import DeepShardConfig, PlacementRegistry
 from deepshard.interface.errors import ConfigError
 from deepshard.zero._full_grads import FullGradTransform
+from deepshard.zero._offload_plan import offload_problems
+from deepshard.zero._optimizer_check import optimizer_problems
+from deepshard.zero._resident import ResidentModule
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._stage3_optimizer import Stage3Optimizer
 from deepshard.zero.optimizer import ZeroOptimizer
 from deepshard.zero.reduction import GradientReduction, torch_dtype
 
-__all__ = ["build_zero_optimizer"]
+__all__ = ["build_zero_optimizer", "optimizer_side_problems"]
+
+
+def optimizer_side_problems(
+    optimizer: torch.optim.Optimizer, config: DeepShardConfig, *, transformed: bool
+) -> list[tuple[str, str]]:
+    """What the optimizer side refuses about ``optimizer`` under ``config``, as ``(key path,
+    message)``: an optimizer not known to be element-wise (without
+    ``zero_allow_untested_optimizer`` or a full-gradient transform) and what offload cannot
+    step on the host. The engine checks it before `deepshard.zero.shard` changes the model.
+
+    Args:
+        optimizer: The inner optimizer.
+        config: The whole config.
+        transformed: A full-gradient transform (Muon) will be given.
+    """
+    allow = config.zero_allow_untested_optimizer or transformed
+    problems = optimizer_problems(optimizer, allow_untested=allow)
+    force = config.zero_force_ds_cpu_optimizer
+    return problems + offload_problems(config.zero_optimization, optimizer, force, transformed)
 
 
 def build_zero_optimizer(
@@ -28,7 +51,7 @@ def build_zero_optimizer(
     placements: PlacementRegistry | None = None,
     full_grad_transform: FullGradTransform | None = None,
     transformed_params: Iterable[torch.Tensor] = (),
-    sharded_module: ShardedModule | None = None,
+    sharded_module: ShardedModule | ResidentModule | None = None,
 ) -> ZeroOptimizer:
     """Wrap ``optimizer`` as the config says.
 
@@ -51,16 +74,24 @@ def build_zero_optimizer(
             ``muon_update`` with the momentum as the buffer (see `ZeroOptimizer`).
         transformed_params: Whole param groups of ``optimizer`` to transform (Muon's
             ``use_muon`` groups).
-        sharded_module: At stage 3, the model side (`deepshard.zero.shard`); the gradient
-            settings then live in its policy.
+        sharded_module: The model side (`deepshard.zero.shard` with the policy of the same
+            config, `deepshard.zero.zero_policy`): a `ShardedModule` at stage 3, a
+            `ResidentModule` at stages 0-2; the group and gradient settings then live in its
+            policy. ``None`` at stages 0-2: the params-only form over ``group``.
 
     Returns:
         The wrapper; call its ``backward`` and ``step``.
 
     Raises:
-        ConfigError: As `ZeroOptimizer` does; stage 3 without ``sharded_module``.
+        ConfigError: As `ZeroOptimizer` does; stage 3 without a `ShardedModule`, stages 0-2
+            with one.
     """
-    if config.zero_optimization.stage == 3:
+    stage = config.zero_optimization.stage
+    if stage == 3 or isinstance(sharded_module, ShardedModule):
+        if stage != 3:
+            raise ConfigError.from_problems(
+                [("zero_optimization.stage", f"is {stage} but the model was sharded at stage 3")]
+            )
         return _stage3(
             optimizer,
             config,
@@ -69,6 +100,17 @@ def build_zero_optimizer(
             full_grad_transform=full_grad_transform,
             transformed_params=transformed_params,
         )
+    common: dict[str, Any] = {
+        "config": config.zero_optimization,
+        "gradient_clipping": config.gradient_clipping,
+        "zero_allow_untested_optimizer": config.zero_allow_untested_optimizer,
+        "full_grad_transform": full_grad_transform,
+        "transformed_params": transformed_params,
+        "aio": config.aio,
+        "zero_force_ds_cpu_optimizer": config.zero_force_ds_cpu_optimizer,
+    }
+    if sharded_module is not None:
+        return ZeroOptimizer(optimizer, sharded_module, **common)
     reduction = GradientReduction.from_names(
         op=config.gradient_allreduce_op,
         prescale=config.prescale_gradients,
@@ -79,33 +121,33 @@ def build_zero_optimizer(
     return ZeroOptimizer(
         optimizer,
         group=group,
-        config=config.zero_optimization,
-        gradient_clipping=config.gradient_clipping,
         reduction=reduction,
         grad_accum_dtype=accum,
-        zero_allow_untested_optimizer=config.zero_allow_untested_optimizer,
         comms_logger=comms_logger,
         named_parameters=named_parameters,
         placements=placements,
-        full_grad_transform=full_grad_transform,
-        transformed_params=transformed_params,
-        aio=config.aio,
-        zero_force_ds_cpu_optimizer=config.zero_force_ds_cpu_optimizer,
+        **common,
     )
 
 
 def _stage3(
     optimizer: torch.optim.Optimizer,
     config: DeepShardConfig,
-    sharded: ShardedModule | None,
+    sharded: ShardedModule | ResidentModule | None,
     comms_logger: CommsLogger | None,
     *,
     full_grad_transform: FullGradTransform | None,
     transformed_params: Iterable[torch.Tensor],
 ) -> ZeroOptimizer:
-    if sharded is None:
+    if not isinstance(sharded, ShardedModule):
         raise ConfigError.from_problems(
-            [("zero_optimization.stage", "3 needs the model sharded first: pass sharded_module=")]
+            [
+                (
+                    "zero_optimization.stage",
+                    "3 needs the model sharded at stage 3 first: pass sharded_module=shard(model, "
+                    "policy=ZeroPolicy(stage=3), ...)",
+                )
+            ]
         )
     return Stage3Optimizer(
         optimizer,

@@ -2,15 +2,15 @@
 
 What happens to a model under data parallelism over a group of ``W`` ranks:
 
-1. **Construction.** Each param group's trainable parameters move into one flat, 16-byte
-   aligned buffer (`deepshard.zero.layout`), cut into buckets of ``reduce_bucket_size``
-   elements (at most 4M on CPU, `deepshard.zero._settings`). This rank's fp32 *master* copy is
-   its partition of the buffer (stages 1-2: its chunk of every bucket, ``1/W`` of the group;
-   stage 0: everything, and for an fp32 model the buffer itself), and the inner optimizer's
-   param group is re-pointed at it, in views of at most 1 MiB (`deepshard.zero._flat_params`):
-   the inner optimizer only ever sees masters, so its state is partitioned too, while group
-   hyper-parameters (``lr``, ``weight_decay``...) stay where an LR scheduler finds them, in
-   ``param_groups``.
+1. **Construction.** The model side (`deepshard.zero.shard` at stage 0-2, or built from the
+   param groups by the params-only form, one unit per group; `deepshard.zero._resident`) holds
+   each unit's trainable parameters in one flat, 16-byte aligned buffer cut into buckets of
+   ``reduce_bucket_size`` elements (at most 4M on CPU). This rank's fp32 *master* of a unit is
+   its partition (stages 1-2: its chunk of every bucket; stage 0: everything, and for an fp32
+   model the buffer itself). The inner optimizer's param groups are re-pointed at master views
+   of at most 1 MiB (`deepshard.zero._master_views`), so its state is partitioned too, while
+   hyper-parameters (``lr``...) stay in ``param_groups`` for LR schedulers; param groups never
+   decide how gradients are communicated.
 2. **Backward.** A post-accumulate-grad hook hands each gradient to a gradient store
    (`deepshard.zero._gradients`) and frees ``param.grad``. Stage 0 all-reduces and stage 1
    reduce-scatters the buckets during the backward pass that ends a gradient-accumulation cycle
@@ -49,7 +49,6 @@ from deepshard.comm import CommsLogger, Group, resolve_group
 from deepshard.interface import PlacementRegistry
 from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import CommError, ConfigError
-from deepshard.zero._flat_params import flatten_param_groups
 from deepshard.zero._full_grad_path import FullGroupsPath, StoreChoice
 from deepshard.zero._full_grad_store import SplitGradients, local_settings
 from deepshard.zero._full_grads import FullGradTransform
@@ -59,20 +58,28 @@ from deepshard.zero._gradients import (
     PartitionedGradients,
     StoreSettings,
 )
+from deepshard.zero._master_views import plan_master_views
 from deepshard.zero._offload import build_offload, offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._optimizer_reads import ZeroReads
 from deepshard.zero._owner import ZeroPartitionAccess
 from deepshard.zero._passes import BackwardPasses
-from deepshard.zero._placements import param_names, registration_positions, resolve_placements
-from deepshard.zero._settings import message_sizes, zero_problems
+from deepshard.zero._placements import resolve_placements
+from deepshard.zero._policy import ZeroPolicy
+from deepshard.zero._resident import (
+    ResidentModule,
+    model_side_problems,
+    resident_from_param_groups,
+    sharded_section,
+)
+from deepshard.zero._settings import zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
 from deepshard.zero._state_shards import StateShardAccess
 from deepshard.zero._states import StateOffload
 from deepshard.zero._step import NormSettings, StepResult, checked_norm, step_inner
-from deepshard.zero.layout import FlatLayout, plan_gather_calls
+from deepshard.zero.layout import plan_gather_calls
 from deepshard.zero.norms import check_norm_type, scale_factor
 from deepshard.zero.reduction import GradientReduction
 
@@ -88,7 +95,11 @@ class ZeroOptimizer(
         optimizer: The inner optimizer, built on the model's parameters and not yet stepped. It
             must be element-wise (see `deepshard.zero.is_zero_safe`) unless
             ``zero_allow_untested_optimizer``.
-        group: The data-parallel group (a ProcessGroup or a 1-D mesh such as ``mesh["dp"]``).
+        sharded: The model side at stages 0-2 (`deepshard.zero.shard` with a ``ZeroPolicy`` of
+            that stage); its policy holds the group, bucket sizes and gradient settings, its
+            stage must be ``config``'s. ``None``: the params-only form, which needs ``group``.
+        group: Without ``sharded``: the data-parallel group (a ProcessGroup or a 1-D mesh such
+            as ``mesh["dp"]``).
         config: The ``zero_optimization`` section. Read: ``stage`` (0-2), ``reduce_bucket_size``
             and ``allgather_bucket_size`` (at most 4M elements for CPU parameters, see
             `deepshard.zero._settings`), ``overlap_comm`` (stage 2; stages 0-1 always overlap),
@@ -98,15 +109,17 @@ class ZeroOptimizer(
             on the host (`deepshard.zero._offload`); stage-3 keys are refused or unused.
         gradient_clipping: Clip the global gradient norm to this; 0 disables.
         norm_type: Order of the norm used for clipping and reported (``math.inf`` allowed).
-        reduction: ``gradient_allreduce_op``, ``prescale_gradients``,
+        reduction: Without ``sharded``: ``gradient_allreduce_op``, ``prescale_gradients``,
             ``gradient_predivide_factor`` and ``communication_data_type``.
-        grad_accum_dtype: Dtype gradients are accumulated in; ``None`` uses the model dtype.
+        grad_accum_dtype: Without ``sharded``: dtype gradients are accumulated in; ``None``
+            uses the model dtype.
         zero_allow_untested_optimizer: Accept an optimizer not known to be element-wise.
         comms_logger: Records every collective ZeRO issues.
-        named_parameters: ``model.named_parameters()``: names for `shard_maps`, and the
-            registration order, which sets the order buckets are reduced in (reverse buffer
-            order without it).
-        placements: Every parameter's placement by name (its global shape and reduction axes;
+        named_parameters: Without ``sharded``: ``model.named_parameters()``: names for
+            `shard_maps`, and the registration order, which sets the order buckets are reduced
+            in (reverse buffer order without it).
+        placements: Without ``sharded`` (``shard`` takes them otherwise): every parameter's
+            placement by name (its global shape and reduction axes;
             `deepshard.zero._placements`), which `shard_maps` are derived from; ``group`` must
             be the parameters' reduction group. None: every parameter whole on every rank of
             ``group``, described as a one-axis ``dp`` mesh.
@@ -123,7 +136,8 @@ class ZeroOptimizer(
 
     Raises:
         ConfigError: Unsupported settings, an unsuitable optimizer, param groups mixing dtypes,
-            or ``transformed_params`` without a transform or not forming whole param groups.
+            ``transformed_params`` without a transform or not forming whole param groups, a
+            stage other than the sharded module's, or neither ``sharded`` nor ``group``.
         TopologyError: A parameter's placement is missing or does not fit it, or ``group`` is
             not the parameters' reduction group.
         CommError: ``group`` is a mesh with more than one axis, or not a group.
@@ -132,7 +146,8 @@ class ZeroOptimizer(
     _full: FullGroupsPath
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> ZeroOptimizer:
-        """``ZeroOptimizer(inner, sharded_module)`` is stage 3 (`deepshard.zero.shard`)."""
+        """``ZeroOptimizer(inner, sharded_module)`` with a stage-3 `ShardedModule` is a
+        `Stage3Optimizer`; with a `ResidentModule` (stages 0-2) or ``group=`` it is this class."""
         if cls is ZeroOptimizer and args and isinstance(args[0], ShardedModule):
             from deepshard.zero._stage3_optimizer import Stage3Optimizer  # it subclasses this
 
@@ -142,8 +157,9 @@ class ZeroOptimizer(
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
+        sharded: ResidentModule | None = None,
         *,
-        group: Group,
+        group: Group | None = None,
         config: ZeroConfig | None = None,
         gradient_clipping: float = 1.0,
         norm_type: float = 2.0,
@@ -158,7 +174,7 @@ class ZeroOptimizer(
         aio: AioConfig | None = None,
         zero_force_ds_cpu_optimizer: bool = True,
     ) -> None:
-        self.config = config if config is not None else ZeroConfig()
+        self.config = sharded_section(config, sharded)
         transformed = full_grad_transform is not None
         allow_untested = zero_allow_untested_optimizer or transformed
         # Every refusal at once, before anything is built.
@@ -167,64 +183,99 @@ class ZeroOptimizer(
         problems += offload_problems(
             self.config, optimizer, zero_force_ds_cpu_optimizer, transformed
         )
+        given: dict[str, object] = {"group": group, "reduction": reduction}
+        given |= {"grad_accum_dtype": grad_accum_dtype}
+        given |= {"placements": placements, "comms_logger": comms_logger}
+        problems += model_side_problems(self.config, sharded, given)
         if problems:
             raise ConfigError.from_problems(problems)
-        selected = list(transformed_params)
+        if sharded is None:  # the params-only form; resolve_group refuses a missing group
+            policy = ZeroPolicy.from_config(
+                self.config, reduction=reduction, grad_accum_dtype=grad_accum_dtype
+            )
+            sharded = resident_from_param_groups(
+                optimizer.param_groups,
+                resolve_group(group),
+                policy,
+                comms_logger,
+                named_parameters,
+                placements,
+            )
+        self._build(optimizer, sharded, gradient_clipping, norm_type, aio)
+        self._full_path(optimizer, full_grad_transform, transformed_params)
+
+    def _build(
+        self,
+        optimizer: torch.optim.Optimizer,
+        resident: ResidentModule,
+        gradient_clipping: float,
+        norm_type: float,
+        aio: AioConfig | None,
+    ) -> None:
+        """Masters over the resident units' layouts, shard maps, gradient settings."""
         self.inner, self.gradient_clipping = optimizer, gradient_clipping
         self.norm_type = check_norm_type(norm_type)
-        self._group, self._logger = resolve_group(group), comms_logger
-        partitioned = self.config.stage >= 1
-        self._partitions = self._group.size() if partitioned else 1
-        self._partition_rank = self._group.rank() if partitioned else 0
-        bucket_numel, gather_numel = message_sizes(self.config, optimizer.param_groups)
-        flat = flatten_param_groups(
-            optimizer.param_groups,
-            world_size=self._partitions,
-            rank=self._partition_rank,
-            bucket_numel=bucket_numel,
-        )
-        self._params, self._flat, self._masters, self._device = flat
+        self._resident, self._policy = resident, resident.policy
+        self._group, self._logger = resident.group, resident.comms_logger
+        self._partitions, self._partition_rank = resident.partition_count, resident.partition_rank
+        self._params, self._flat = resident.params, [u.flat for u in resident.units]
+        self._device = resident.device
+        self._masters = [flat.master_partition(self._partition_rank) for flat in self._flat]
         self._gather_calls = [
-            plan_gather_calls(f.layout, max_numel=gather_numel) for f in self._flat
+            plan_gather_calls(f.layout, max_numel=resident.gather_numel) for f in self._flat
         ]
-        named = list(named_parameters)
-        names = param_names(self._params, named)
-        where = resolve_placements(self._group, self._params, names, placements)
-        self._shards = param_shards(self.layouts, names, where)
-        settings = StoreSettings(
+        where = resolve_placements(self._group, self._params, resident.names, resident.placements)
+        self._shards = param_shards(self.layouts, resident.names, where)
+        self._settings = StoreSettings(
             self._device,
             self._group,
-            reduction if reduction is not None else GradientReduction(),
+            self._policy.reduction,
             use_reduce_scatter=self.config.reduce_scatter,
-            accum_dtype=grad_accum_dtype,
-            logger=comms_logger,
-            param_positions=registration_positions(self._params, named),
+            accum_dtype=self._policy.grad_accum_dtype,
+            logger=self._logger,
+            param_positions=resident.param_positions,
         )
+        self._aio = aio
+
+    def _full_path(
+        self,
+        optimizer: torch.optim.Optimizer,
+        full_grad_transform: FullGradTransform | None,
+        transformed_params: Iterable[torch.Tensor],
+    ) -> None:
+        """Map the param groups onto master views, then offload, stores and hooks."""
+        ranges = [
+            (v.unit, v.lo, v.hi, v.group)
+            for v in plan_master_views(
+                self._params, self.layouts, self._partition_rank, optimizer.param_groups, (), None
+            )
+        ]
         dtypes = tuple(flat.buffer.dtype for flat in self._flat)
+        overlap = self._policy.overlap_comm
         self._full = FullGroupsPath.build(
             full_grad_transform,
-            selected,
+            list(transformed_params),
             params=self._params,
             layouts=self.layouts,
-            shards=self._shards,
+            names=self._resident.names,
             masters=self._masters,
             rank=self._partition_rank,
             param_groups=optimizer.param_groups,
-            store=StoreChoice(settings, dtypes, self.config.stage, self.config.overlap_comm),
+            store=StoreChoice(self._settings, dtypes, self.config.stage, overlap),
             view_numel=master_view_numel(optimizer, transformed=full_grad_transform is not None),
         )
-        self._offload = build_offload(self.config, optimizer, self._masters, self._flat, aio)
+        self._offload = build_offload(
+            self.config, optimizer, self._masters, self._flat, self._aio, ranges
+        )
         if self._offload is not None:  # host masters: the device keeps a compute-dtype copy
             self._masters, self._full.views = self._offload.device_partitions, self._offload.views
-        self._store = self._build_store(settings)
+        self._store = self._build_store(self._settings)
         self._passes = BackwardPasses(
-            self._store, ignore_unused_parameters=self.config.ignore_unused_parameters
+            self._store, ignore_unused_parameters=self._policy.ignore_unused_parameters
         )
         self._hooks = self._passes.attach(self._params, self.layouts)
         self._offloaded = {}  # the `offload_states` bookkeeping (deepshard.zero._states)
         self._passes.guard = self.check_resident
-
-    # --- construction -------------------------------------------------------------------
 
     def _build_store(self, settings: StoreSettings) -> SplitGradients:
         """The ordinary groups' store behind a router that also reaches the full groups'."""
@@ -234,7 +285,7 @@ class ZeroOptimizer(
         own = local_settings(settings, ordinary)
         store: GradientStore
         if self.config.stage == 2:
-            overlap = self.config.overlap_comm
+            overlap = self._policy.overlap_comm
             store = PartitionedGradients(layouts, dtypes, own, overlap=overlap)
         else:
             partitioned = self.config.stage == 1
@@ -369,54 +420,6 @@ class ZeroOptimizer(
         )
 
     # --- what the engine, schedulers and checkpoints read -------------------------------
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's param groups (``params`` hold this rank's masters)."""
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        """The inner optimizer's state, keyed by master partition (or master view, see
-        `full_shape`)."""
-        return self.inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.inner.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The inner optimizer's defaults."""
-        return self.inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.inner.defaults = value
-
-    @property
-    def layouts(self) -> tuple[FlatLayout, ...]:
-        """The flat layout of every param group."""
-        return tuple(flat.layout for flat in self._flat)
-
-    @property
-    def master_partitions(self) -> tuple[torch.Tensor, ...]:
-        """This rank's fp32 master partition of every param group (for an unpartitioned fp32
-        group, the flat parameter buffer itself; with offload, on the host)."""
-        return self._offload.masters() if self._offload is not None else tuple(self._masters)
-
-    def full_shape(self, param: object) -> tuple[int, ...] | None:
-        """`deepshard.interface.ParamShapes`: a transformed parameter's shape for its master view
-        in the inner optimizer; ``None`` for a flat master (see `deepshard.zero._full_grads`)."""
-        return self._full.full_shape(param)
-
-    def shard_maps(self) -> tuple[ParamShard, ...]:
-        """Where every element of every trainable parameter's master lives, per rank."""
-        return self._shards
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's masters, inner-optimizer state and transform buffers (same layout to

@@ -3,6 +3,9 @@
 - `cpu_adam_step` / `cpu_lion_step`: Adam/AdamW and Lion on flat CPU tensors, one pass over
   memory on the best SIMD path of the CPU (AVX-512, AVX2, NEON, SVE or scalar), multi-threaded.
 - `fused_adam_step`: multi-tensor Adam/AdamW for CUDA tensors.
+- `foreach_adam_step` / `foreach_lion_step`: the dtype-general ``torch._foreach`` twins (any
+  device, any floating dtype) that `fused_adam_step` falls back to and
+  deepshard-optimizers' ``impl="foreach"`` runs.
 
 Every op is a ``torch.library`` custom op (``deepshard::...``), so it composes with
 ``torch.compile``. Importing this package loads no extension; the first call does, and if the
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from deepshard.kernels._cpu_ops import cpu_adam_step, cpu_lion_step
 from deepshard.kernels._extension import SIMD_ENV_VAR
+from deepshard.kernels._foreach import compute_dtype, foreach_adam_step, foreach_lion_step
 from deepshard.kernels._fused_adam import fused_adam_status, fused_adam_step
 from deepshard.kernels._reference import reference_adam_step, reference_lion_step
 from deepshard.kernels._report import KernelReport, OpReport, kernel_report
@@ -25,8 +29,11 @@ __all__ = [
     "OpReport",
     "active_simd_path",
     "available_simd_paths",
+    "compute_dtype",
     "cpu_adam_step",
     "cpu_lion_step",
+    "foreach_adam_step",
+    "foreach_lion_step",
     "fused_adam_status",
     "fused_adam_step",
     "kernel_report",

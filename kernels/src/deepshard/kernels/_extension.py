@@ -72,6 +72,9 @@ class ExtensionLoader(Generic[ModuleT]):
         hint: What a user does to get the module, appended to the failure warning.
         on_load: Called once with the freshly imported module (the CPU loader applies
             ``DEEPSHARD_CPU_SIMD`` here); ``None`` for nothing.
+        importer: Builds the module instead of importing ``module`` (the MPS ops compile their
+            Metal source this way); it raises ImportError, OSError or RuntimeError when it
+            cannot.
     """
 
     def __init__(
@@ -81,8 +84,10 @@ class ExtensionLoader(Generic[ModuleT]):
         *,
         hint: str = _CPU_HINT,
         on_load: Callable[[ModuleT, Mapping[str, str]], None] | None = None,
+        importer: Callable[[], ModuleT] | None = None,
     ) -> None:
         self._module_name = module
+        self._importer = importer
         self._env = env
         self._hint = hint
         self._on_load = on_load
@@ -106,8 +111,11 @@ class ExtensionLoader(Generic[ModuleT]):
             if self._module is not None or self._failure is not None:
                 return self._module
             try:
-                module = cast(ModuleT, importlib.import_module(self._module_name))
-            except (ImportError, OSError) as error:
+                if self._importer is not None:
+                    module = self._importer()
+                else:
+                    module = cast(ModuleT, importlib.import_module(self._module_name))
+            except (ImportError, OSError, RuntimeError) as error:
                 self._failure = _describe_failure(error, self._module_name)
                 return None
             if self._on_load is not None:
@@ -142,7 +150,7 @@ class ExtensionLoader(Generic[ModuleT]):
     def failure_with_hint(self) -> str:
         """Why the module is missing and how to get it (loading it first if need be)."""
         self.load()
-        return f"{self._module_name} could not be imported ({self._failure}). {self._hint}"
+        return f"{self._module_name} could not be loaded ({self._failure}). {self._hint}"
 
 
 def _apply_env_path(module: CpuExtension, env: Mapping[str, str]) -> None:

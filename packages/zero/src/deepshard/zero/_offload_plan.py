@@ -89,7 +89,12 @@ def plan_sub_groups(partition_numels: Sequence[int], sub_group_size: int) -> tup
     Returns:
         The sub-groups, group by group, in partition order; none for an empty partition.
     """
-    assert sub_group_size >= 1, "offload_problems refuses sub_group_size 0"
+    if sub_group_size < 1:
+        # offload_problems refuses 0 for a config; a direct caller gets the same words.
+        raise ValueError(
+            f"zero_optimization.sub_group_size must be >= 1 (elements per offloaded sub-group), "
+            f"got {sub_group_size}; use a positive count such as 1e9"
+        )
     return tuple(
         SubGroup(g, i, lo, min(lo + sub_group_size, numel))
         for g, numel in enumerate(partition_numels)

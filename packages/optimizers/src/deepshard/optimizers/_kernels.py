@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from deepshard.kernels._foreach import foreach_adam_step, foreach_lion_step
+from deepshard.kernels import foreach_adam_step, foreach_lion_step
 
 __all__ = [
     "cpu_adam_step",

@@ -48,14 +48,12 @@ def test_unknown_and_uncompiled_paths_are_refused():
 
 
 def test_env_var_picks_the_path_at_load():
-    loader = _extension.ExtensionLoader(
-        "deepshard.kernels._cpu", env={"DEEPSHARD_CPU_SIMD": "scalar"}
-    )
+    loader = _extension.cpu_loader("deepshard.kernels._cpu", env={"DEEPSHARD_CPU_SIMD": "scalar"})
     extension = loader.get()
     assert extension is not None and extension.active_path() == "scalar"
 
 
 def test_env_var_naming_a_bad_path_is_an_error_naming_the_variable():
-    loader = _extension.ExtensionLoader("deepshard.kernels._cpu", env={"DEEPSHARD_CPU_SIMD": "mmx"})
+    loader = _extension.cpu_loader("deepshard.kernels._cpu", env={"DEEPSHARD_CPU_SIMD": "mmx"})
     with pytest.raises(ValueError, match=r"DEEPSHARD_CPU_SIMD='mmx'.*unknown SIMD path"):
         loader.get()

@@ -51,7 +51,7 @@ def device() -> torch.device:
     if not compiled:
         pytest.skip(f"the CUDA module is not built: {reason}")
     dev = torch.device("cuda", 0)
-    module, _ = _fused_adam._load_cuda_module()
+    module = _fused_adam.CUDA_EXTENSION.load()
     assert module is not None
     major, minor = torch.cuda.get_device_capability(dev)
     assert _fused_adam._architectures_cover(module.cuda_architectures, 10 * major + minor), (

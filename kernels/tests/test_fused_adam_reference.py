@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from deepshard.kernels import _fused_adam
+from deepshard.kernels import _extension, _fused_adam
 from deepshard.kernels._fused_adam import fused_adam_step, reference_fused_adam_step
 
 SIZES = (7, 64, 1_000_003)
@@ -252,7 +252,8 @@ def test_bad_arguments_raise_errors_that_name_them() -> None:
 
 def test_cuda_fallback_warns_once_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     # No GPU here: exercise the decision with the loader reporting the module missing.
-    monkeypatch.setattr(_fused_adam, "_load_cuda_module", lambda: (None, "not built (test)"))
+    missing = _extension.ExtensionLoader("deepshard.kernels._no_such_cuda", hint="not built (test)")
+    monkeypatch.setattr(_fused_adam, "CUDA_EXTENSION", missing)
     _fused_adam._warn_kernel_unavailable.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match=r"not built \(test\)") as record:

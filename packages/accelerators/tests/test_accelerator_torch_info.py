@@ -45,3 +45,13 @@ def test_source_build_without_version_attributes(monkeypatch):
 def test_cpu_only_build_reports_no_cuda(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
     assert torch_info()["cuda"] is None
+
+
+def test_source_build_fallback_still_reports_nccl(monkeypatch):
+    # A source build may lack torch.version.cuda/hip; the NCCL version comes from the library
+    # itself (torch.cuda.nccl), so the fallback keeps it (DeepSpeed v0.19.7's fix).
+    monkeypatch.delattr(torch.version, "cuda")
+    monkeypatch.delattr(torch.version, "hip")
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    info = torch_info()
+    assert info == {"torch": str(torch.__version__), "cuda": None, "hip": None, "nccl": "2.27.3"}

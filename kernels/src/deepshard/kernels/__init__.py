@@ -2,7 +2,11 @@
 
 - `cpu_adam_step` / `cpu_lion_step`: Adam/AdamW and Lion on flat CPU tensors, one pass over
   memory on the best SIMD path of the CPU (AVX-512, AVX2, NEON, SVE or scalar), multi-threaded.
-- `fused_adam_step`: multi-tensor Adam/AdamW for CUDA tensors.
+- `fused_adam_step`: multi-tensor Adam/AdamW for CUDA tensors (compiled kernel) and MPS tensors
+  (a Metal kernel compiled at first use through ``torch.mps.compile_shader``).
+- `foreach_adam_step` / `foreach_lion_step`: the dtype-general ``torch._foreach`` twins (any
+  device, any floating dtype) that `fused_adam_step` falls back to and
+  deepshard-optimizers' ``impl="foreach"`` runs.
 
 Every op is a ``torch.library`` custom op (``deepshard::...``), so it composes with
 ``torch.compile``. Importing this package loads no extension; the first call does, and if the
@@ -12,8 +16,11 @@ saying why. ``python -m deepshard.kernels`` prints `kernel_report()`.
 
 from __future__ import annotations
 
+# _mps_adam registers the MPS kernel of deepshard::fused_adam_step (cheap: nothing compiles).
+from deepshard.kernels import _mps_adam  # noqa: F401
 from deepshard.kernels._cpu_ops import cpu_adam_step, cpu_lion_step
 from deepshard.kernels._extension import SIMD_ENV_VAR
+from deepshard.kernels._foreach import compute_dtype, foreach_adam_step, foreach_lion_step
 from deepshard.kernels._fused_adam import fused_adam_status, fused_adam_step
 from deepshard.kernels._reference import reference_adam_step, reference_lion_step
 from deepshard.kernels._report import KernelReport, OpReport, kernel_report
@@ -25,8 +32,11 @@ __all__ = [
     "OpReport",
     "active_simd_path",
     "available_simd_paths",
+    "compute_dtype",
     "cpu_adam_step",
     "cpu_lion_step",
+    "foreach_adam_step",
+    "foreach_lion_step",
     "fused_adam_status",
     "fused_adam_step",
     "kernel_report",

@@ -27,19 +27,22 @@ implementation), so it can sit inside ``torch.compile``-d code.
 from __future__ import annotations
 
 import functools
-import importlib
-import math
 import re
 import warnings
 from collections.abc import Sequence
-from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from deepshard.kernels._constants import bias_corrections
+from deepshard.kernels._extension import CUDA_EXTENSION
+from deepshard.kernels._foreach import foreach_adam_step
+from deepshard.kernels._validate import check_fused_adam_args
+
 __all__ = ["fused_adam_status", "fused_adam_step", "reference_fused_adam_step"]
 
-# Gradient dtypes the kernel reads, with the codes of deepshard::cuda::GradType.
+# Gradient dtypes the kernel reads (`FUSED_GRAD_DTYPES`), with the codes of
+# deepshard::cuda::GradType.
 _GRAD_TYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -96,7 +99,7 @@ def fused_adam_step(
             fit, or a hyperparameter is out of range.
     """
     hyper = _AdamHyper(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction)
-    _validate("fused_adam_step", (params, grads, exp_avgs, exp_avg_sqs), hyper)
+    _check("fused_adam_step", (params, grads, exp_avgs, exp_avg_sqs), hyper)
     if params:
         with torch.no_grad():
             _fused_adam_op(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), *hyper)
@@ -127,7 +130,7 @@ def reference_fused_adam_step(
         ValueError: As `fused_adam_step`.
     """
     hyper = _AdamHyper(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction)
-    _validate("reference_fused_adam_step", (params, grads, exp_avgs, exp_avg_sqs), hyper)
+    _check("reference_fused_adam_step", (params, grads, exp_avgs, exp_avg_sqs), hyper)
     if params:
         with torch.no_grad():
             _foreach_adam(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), hyper)
@@ -141,9 +144,9 @@ def fused_adam_status() -> tuple[bool, str]:
         driver and devices it sees; or ``(False, reason)`` saying why it is missing and how to
         get it.
     """
-    module, reason = _load_cuda_module()
+    module = CUDA_EXTENSION.load()
     if module is None:
-        return False, reason
+        return False, CUDA_EXTENSION.failure_with_hint()
     return True, (
         f"multi-tensor fused Adam built for CUDA architectures {module.cuda_architectures}; "
         f"{module.runtime_summary()}"
@@ -195,11 +198,12 @@ def _fused_adam_fake(
     return None
 
 
-def _bias_corrections(hyper: _AdamHyper) -> tuple[float, float]:
-    """Returns ``(1 - beta1**step, sqrt(1 - beta2**step))`` in double, or ``(1, 1)``."""
-    if not hyper.bias_correction:
-        return 1.0, 1.0
-    return 1.0 - hyper.beta1**hyper.step, math.sqrt(1.0 - hyper.beta2**hyper.step)
+def _check(op: str, lists: tuple[Sequence[torch.Tensor], ...], hyper: _AdamHyper) -> None:
+    """The shared argument checks of `_validate`, for this op's scalars."""
+    check_fused_adam_args(
+        op, lists, step=hyper.step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+        eps=hyper.eps, weight_decay=hyper.weight_decay,
+    )  # fmt: skip
 
 
 def _foreach_adam(
@@ -209,25 +213,16 @@ def _foreach_adam(
     exp_avg_sqs: list[torch.Tensor],
     hyper: _AdamHyper,
 ) -> None:
-    """The twin: torch.optim.Adam's foreach sequence, with low-precision grads widened first."""
-    bias_correction1, bias_correction2_sqrt = _bias_corrections(hyper)
-    grads32 = [g if g.dtype == torch.float32 else g.to(torch.float32) for g in grads]
-    if hyper.weight_decay != 0:
-        if hyper.adamw_mode:
-            torch._foreach_mul_(params, 1 - hyper.lr * hyper.weight_decay)
-        else:
-            grads32 = list(torch._foreach_add(grads32, params, alpha=hyper.weight_decay))
-    torch._foreach_lerp_(exp_avgs, grads32, 1 - hyper.beta1)
-    torch._foreach_mul_(exp_avg_sqs, hyper.beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads32, grads32, 1 - hyper.beta2)
-    denominators = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denominators, bias_correction2_sqrt)
-    torch._foreach_add_(denominators, hyper.eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denominators, -(hyper.lr / bias_correction1))
+    """The twin: the kernels' dtype-general ``torch._foreach`` Adam."""
+    foreach_adam_step(
+        params, grads, exp_avgs, exp_avg_sqs, step=hyper.step, lr=hyper.lr, beta1=hyper.beta1,
+        beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
+        adamw_mode=hyper.adamw_mode, bias_correction=hyper.bias_correction,
+    )  # fmt: skip
 
 
 def _launch_cuda(
-    module: ModuleType,
+    module: Any,
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
@@ -237,7 +232,9 @@ def _launch_cuda(
     """Enqueues the kernel on the caller's current stream, one launch group per grad dtype."""
     device = params[0].device
     stream = torch.cuda.current_stream(device).cuda_stream
-    bias_correction1, bias_correction2_sqrt = _bias_corrections(hyper)
+    bias_correction1, bias_correction2_sqrt = bias_corrections(
+        hyper.step, hyper.beta1, hyper.beta2, hyper.bias_correction
+    )
     for dtype in dict.fromkeys(g.dtype for g in grads):
         group = [i for i, g in enumerate(grads) if g.dtype == dtype]
         module.fused_adam_step(
@@ -260,23 +257,10 @@ def _launch_cuda(
         )
 
 
-@functools.cache
-def _load_cuda_module() -> tuple[ModuleType | None, str]:
-    """Imports the compiled module once; returns it, or None with the reason it is missing."""
-    try:
-        module = importlib.import_module("deepshard.kernels._cuda")
-    except (ImportError, OSError) as exc:
-        return None, (
-            f"deepshard.kernels._cuda could not be imported ({exc}); it is built only when a "
-            "CUDA compiler is found while deepshard-kernels is installed: put nvcc on PATH (or "
-            "set CUDACXX) and reinstall deepshard-kernels"
-        )
-    return module, "loaded"
-
-
-def _cuda_module_for(device: torch.device) -> ModuleType | None:
+def _cuda_module_for(device: torch.device) -> Any:
     """The compiled module if it can run on ``device``; else None, after one warning."""
-    module, reason = _load_cuda_module()
+    module = CUDA_EXTENSION.load()
+    reason = CUDA_EXTENSION.failure_with_hint()
     if module is not None:
         major, minor = torch.cuda.get_device_capability(device)
         if _architectures_cover(module.cuda_architectures, 10 * major + minor):
@@ -328,51 +312,3 @@ def _warn_kernel_unavailable(reason: str) -> None:
         RuntimeWarning,
         stacklevel=2,
     )
-
-
-def _validate(op: str, lists: tuple[Sequence[torch.Tensor], ...], hyper: _AdamHyper) -> None:
-    """Raises TypeError/ValueError naming the first argument the kernel or the twin cannot take."""
-    if isinstance(hyper.step, bool) or not isinstance(hyper.step, int) or hyper.step < 1:
-        raise ValueError(
-            f"{op}: `step` must be an int >= 1 (steps count from 1), got {hyper.step!r}"
-        )
-    for name in ("lr", "eps", "weight_decay", "beta1", "beta2"):
-        value = getattr(hyper, name)
-        high = 1.0 if name.startswith("beta") else math.inf
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{op}: `{name}` must be a float, got {type(value).__name__}")
-        if not (math.isfinite(value) and 0 <= value < high):
-            bound = "in [0, 1)" if high == 1.0 else ">= 0"
-            raise ValueError(f"{op}: `{name}` must be finite and {bound}, got {value}")
-    names = ("params", "grads", "exp_avgs", "exp_avg_sqs")
-    if len({len(tensors) for tensors in lists}) != 1:
-        counts = ", ".join(f"{len(t)} {n}" for n, t in zip(names, lists, strict=True))
-        raise ValueError(f"{op}: got {counts}; pass exactly one of each per parameter")
-    for i, group in enumerate(zip(*lists, strict=True)):
-        for name, tensor in zip(names, group, strict=True):
-            _check_tensor(op, f"{name}[{i}]", tensor, name == "grads", group[0])
-        if group[0].device != lists[0][0].device:
-            raise ValueError(
-                f"{op}: `params[{i}]` is on {group[0].device} but `params[0]` is on "
-                f"{lists[0][0].device}; call once per device"
-            )
-
-
-def _check_tensor(op: str, name: str, tensor: object, is_grad: bool, param: torch.Tensor) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(tensor).__name__}")
-    allowed = tuple(_GRAD_TYPE_CODES) if is_grad else (torch.float32,)
-    if tensor.dtype not in allowed:
-        kinds = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise TypeError(f"{op}: `{name}` must have dtype {kinds}, got {tensor.dtype}")
-    if tensor.device != param.device:
-        raise ValueError(
-            f"{op}: `{name}` is on {tensor.device} but its parameter is on {param.device}; "
-            "every tensor of one call must be on the same device"
-        )
-    if not tensor.is_contiguous():
-        raise ValueError(f"{op}: `{name}` must be contiguous (the kernel reads raw memory)")
-    if tensor.numel() != param.numel():
-        raise ValueError(
-            f"{op}: `{name}` has {tensor.numel()} elements but its parameter has {param.numel()}"
-        )

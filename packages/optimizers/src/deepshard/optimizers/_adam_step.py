@@ -8,7 +8,8 @@ Each parameter is routed to one implementation:
   parameter's own dtype, bf16 for an fp32 parameter (`CPU_KERNEL_MOMENTS`).
 * ``"fused"``: the multi-tensor kernel (CUDA), one call per device and step count; on
   other devices ``deepshard.kernels`` runs its ``torch._foreach`` twin.
-* ``"foreach"``: this package's ``torch._foreach`` update, any device and dtype.
+* ``"foreach"``: the kernels package's dtype-general ``torch._foreach`` twin, any device
+  and dtype.
 
 ``"auto"`` picks ``cpu`` where the kernel takes the parameter, ``fused`` for CUDA tensors and
 ``foreach`` otherwise (fp64, non-contiguous or other devices), so every model trains with
@@ -26,7 +27,6 @@ import torch
 from deepshard.interface.errors import ConfigError
 from deepshard.optimizers import _kernels
 from deepshard.optimizers._checks import check_gradient
-from deepshard.optimizers._foreach import foreach_adam_step
 from deepshard.optimizers._state import moment_dtype
 
 __all__ = [
@@ -176,7 +176,7 @@ def run_bucket(
     fused: bool,
 ) -> None:
     """One multi-tensor Adam step with the fused kernel or the foreach update."""
-    function = _kernels.fused_adam_step if fused else foreach_adam_step
+    function = _kernels.fused_adam_step if fused else _kernels.foreach_adam_step
     function(
         params,
         grads,

@@ -1,14 +1,24 @@
-"""Typed entry points to the compiled update kernels of ``deepshard.kernels``.
+"""Entry points to the update kernels of ``deepshard.kernels``, one name per route.
 
-The kernels package loads a compiled extension when imported, so it is imported on the first
-step rather than when this package is: ``import deepshard.optimizers`` stays cheap.
+The optimizers call the kernels through this module's names (tests count the calls by patching
+them). Importing ``deepshard.kernels`` loads no compiled extension (its ops load one on first
+use); the foreach twins are the kernels package's own functions, one copy of the dtype-general
+update rather than one per package.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["cpu_adam_step", "cpu_lion_step", "fused_adam_step"]
+from deepshard.kernels import foreach_adam_step, foreach_lion_step
+
+__all__ = [
+    "cpu_adam_step",
+    "cpu_lion_step",
+    "foreach_adam_step",
+    "foreach_lion_step",
+    "fused_adam_step",
+]
 
 
 def cpu_adam_step(

@@ -26,7 +26,6 @@ from deepshard.optimizers._checks import (
     check_gradient,
     check_hyperparameters,
 )
-from deepshard.optimizers._foreach import foreach_lion_step
 from deepshard.optimizers._state import moment_dtype, restore_saved_dtypes
 from deepshard.optimizers.adam import ParamsT
 
@@ -133,7 +132,7 @@ class Lion(torch.optim.Optimizer):
             for target, tensor in zip(lists, (param, grad, exp_avg), strict=True):
                 target.append(tensor)
         for params, grads, exp_avgs in buckets.values():
-            foreach_lion_step(params, grads, exp_avgs, **hyper)
+            _kernels.foreach_lion_step(params, grads, exp_avgs, **hyper)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

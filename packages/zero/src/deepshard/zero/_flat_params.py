@@ -131,7 +131,11 @@ class FlatParams:
     def copy_from(self, master: torch.Tensor) -> None:
         """Write the whole (unpartitioned, stage 0) master into the parameters (nothing to do
         when the buffer is its own master)."""
-        assert self.layout.world_size == 1, "copy_from is for an unpartitioned layout"
+        if self.layout.world_size != 1:
+            raise ValueError(
+                f"FlatParams.copy_from writes a whole master into an unpartitioned layout, but "
+                f"this one is partitioned over {self.layout.world_size} ranks; use gather_from"
+            )
         if master is not self.buffer:
             self.buffer.copy_(master)
 

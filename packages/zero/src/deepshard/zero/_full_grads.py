@@ -127,7 +127,11 @@ class TransformBuffers:
         shapes: Mapping[str, tuple[int, ...]],
         checkpoint_hint: str,
     ) -> None:
-        assert transform is not None or not shapes, "transformed parameters need a transform"
+        if transform is None and shapes:
+            raise ValueError(
+                f"TransformBuffers: {sorted(shapes)} are to be transformed but the transform is "
+                "None; pass the full-gradient transform (Muon's) or no transformed parameters"
+            )
         self._transform = transform
         self._shapes = dict(shapes)
         self._hint = checkpoint_hint

@@ -94,7 +94,12 @@ def plan_sub_groups(
         The sub-groups in partition order, numbered within their group; none for an empty
         range. ``hyper`` is left ``None`` where the param group has the group's index.
     """
-    assert sub_group_size >= 1, "offload_problems refuses sub_group_size 0"
+    if sub_group_size < 1:
+        # offload_problems refuses 0 for a config; a direct caller gets the same words.
+        raise ValueError(
+            f"zero_optimization.sub_group_size must be >= 1 (elements per offloaded sub-group), "
+            f"got {sub_group_size}; use a positive count such as 1e9"
+        )
     subs: list[SubGroup] = []
     counts: dict[int, int] = {}
     for group, lo, hi, param_group in ranges:

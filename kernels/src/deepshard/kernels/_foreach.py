@@ -1,6 +1,8 @@
 """Adam and Lion written with ``torch._foreach_*`` ops: any device, any floating dtype.
 
-This is the ``impl="foreach"`` path and the fallback wherever no kernel applies. Each tensor is
+The dtype-general pure-torch twin of the multi-tensor kernels: `fused_adam_step` runs it where
+no compiled kernel serves the tensors, and deepshard-optimizers' ``impl="foreach"`` calls it
+(one copy of the update, not one per package). Each tensor is
 updated in its compute dtype (fp32, or fp64 for fp64 parameters): 16-bit parameters, gradients
 and moments are widened for the arithmetic and written back rounded, so a bf16 gradient on an
 fp32 parameter gives the same step as its exact fp32 value. The formulas and the order of the
@@ -10,9 +12,9 @@ where the dtypes are the same.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from deepshard.kernels._constants import bias_corrections
 
 __all__ = ["compute_dtype", "foreach_adam_step", "foreach_lion_step"]
 
@@ -53,6 +55,8 @@ def foreach_adam_step(
 ) -> None:
     """One Adam (``adamw_mode=False``) or AdamW step over tensors of one device, in place.
 
+    No argument checks: the callers (`fused_adam_step`, the optimizers) have checked.
+
     Args:
         params: Parameters, updated in place.
         grads: Their gradients, any floating dtype.
@@ -78,8 +82,7 @@ def foreach_adam_step(
     torch._foreach_lerp_(m, g, 1.0 - beta1)
     torch._foreach_mul_(v, beta2)
     torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
-    bias1 = 1.0 - beta1**step if bias_correction else 1.0
-    bias2_sqrt = math.sqrt(1.0 - beta2**step) if bias_correction else 1.0
+    bias1, bias2_sqrt = bias_corrections(step, beta1, beta2, bias_correction)
     denom = torch._foreach_sqrt(v)
     torch._foreach_div_(denom, bias2_sqrt)
     torch._foreach_add_(denom, eps)

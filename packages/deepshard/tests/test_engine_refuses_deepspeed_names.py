@@ -73,7 +73,7 @@ def test_a_refused_name_says_what_to_use_instead() -> None:
         )
     assert got["hasattr"] == []
     assert "engine.backward(loss)" in messages["train_batch"][0]
-    assert "save_16bit_model" in messages["save_checkpoint"][0]
+    assert "engine.load_checkpoint(load_dir)" in messages["load_universal_checkpoint"][0]
     assert "zero_optimization.reduce_bucket_size" in messages["zero_reduce_bucket_size"][0]
     assert set(got["followed"]) == set(CONFIG_READERS)
     assert got["followed"]["optimizer_name"] == repr("AdamW")

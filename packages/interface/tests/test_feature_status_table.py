@@ -116,12 +116,13 @@ def test_ignored_features_and_keys_are_what_the_user_wrote() -> None:
             },
             "wandb": {"enabled": False, "project": "p"},  # disabled: nothing runs, as asked
             "flops_profiler": {"enabled": True, "profile_step": 3},  # wired: honoured
-            "checkpoint": {"load_universal": False},
+            # honoured by the engine's checkpoints, except load_universal (every load reshards)
+            "checkpoint": {"load_universal": True, "tag_validation": "FAIL", "async_save": True},
             "moe": {"ep_size": 1, "top_k": 2},
         }
     )
     assert [row.key for row in asked_features(config, "ignored")] == [
-        "checkpoint",
+        "checkpoint.load_universal",
         "moe",
         "zero_optimization.stage3_module_granularity_threshold",
     ]

@@ -6,22 +6,69 @@ same permutation on every rank, as DeepSpeed's loader does), in micro-batches of
 ``train_micro_batch_size_per_gpu``. Tensor- and sequence-parallel peers read the same samples.
 Call ``loader.sampler.set_epoch(epoch)`` for a new permutation each epoch.
 
+The sampler (`ResumableSampler`) counts the samples this rank's loader has drawn in the current
+epoch, so an engine checkpoint stores the loader's position and a resumed run continues with
+the next micro-batch instead of the epoch's first (the loader has no workers, so what the
+sampler handed out is exactly what the training loop received).
+
 `RepeatingLoader` (DeepSpeed's name) turns any re-iterable loader into an endless one, for loops
 that count steps rather than epochs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from deepshard.interface.errors import ConfigError
 
-__all__ = ["RepeatingLoader", "build_dataloader"]
+__all__ = ["RepeatingLoader", "ResumableSampler", "build_dataloader"]
 
 _T = TypeVar("_T")
+
+
+class ResumableSampler(DistributedSampler[Any]):
+    """`DistributedSampler` that knows, and can be set to, its position in the epoch.
+
+    Arguments are `DistributedSampler`'s.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.consumed = 0
+        """Samples handed out since the current epoch's iteration began."""
+        self._resume_at = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(super().__iter__())
+        start, self._resume_at = self._resume_at, 0
+        self.consumed = start
+        for index in indices[start:]:
+            self.consumed += 1
+            yield index
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "consumed"}``: where the next iteration should continue."""
+        return {"epoch": int(self.epoch), "consumed": int(self.consumed)}
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, world_sizes: tuple[int, int] = (1, 1)
+    ) -> None:
+        """Continue the next iteration after the samples `state` says were consumed.
+
+        Args:
+            state: What `state_dict` returned.
+            world_sizes: ``(saved, current)`` numbers of ranks reading different samples:
+                every rank takes every ``world``-th sample of one permutation, so ``consumed``
+                per rank scales by ``saved / current`` to cover the same share of the epoch.
+        """
+        saved, current = world_sizes
+        self.set_epoch(int(state["epoch"]))
+        self._resume_at = min(int(state["consumed"]) * saved // current, self.num_samples)
+        self.consumed = self._resume_at
 
 
 class RepeatingLoader(Generic[_T]):
@@ -91,7 +138,7 @@ def build_dataloader(
             f"training_data is an IterableDataset ({type(dataset).__name__}), which cannot be "
             "split over ranks by a sampler; shard it per rank yourself and build the DataLoader"
         )
-    sampler: DistributedSampler[Any] = DistributedSampler(
+    sampler = ResumableSampler(
         dataset,
         num_replicas=batch_world_size,
         rank=batch_rank,
@@ -105,4 +152,7 @@ def build_dataloader(
         sampler=sampler,
         collate_fn=collate_fn,
         drop_last=drop_last,
+        # iter() draws a worker base seed: from a generator of its own, not torch's global
+        # one, so starting an epoch (or resuming one) never shifts dropout's random stream
+        generator=torch.Generator().manual_seed(0),
     )

@@ -27,9 +27,8 @@ accessors (`deepshard.engine._engine_states`). A DeepSpeed
 engine name DeepShard leaves out raises an ``AttributeError`` saying what to use instead
 (`deepshard.engine._unsupported`).
 
-Checkpoints are the checkpoint package's: it reads ``optimizer.shard_maps()`` and
-``optimizer.state_dict()`` (ZeRO), ``lr_scheduler.state_dict()``, ``loss_scaler.state_dict()``
-and ``accumulation.state_dict()`` (the step counters) from the engine's parts.
+``engine.save_checkpoint`` / ``load_checkpoint`` (`deepshard.engine._checkpointing`) store
+ZeRO's `state_shards` and the parts' JSON state through the checkpoint package.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ import torch
 from deepshard.comm import CommsLogger, DistInfo, ParallelDims
 from deepshard.engine import _export
 from deepshard.engine._accumulation import GradientAccumulation
+from deepshard.engine._checkpointing import EngineCheckpointing
 from deepshard.engine._compile import EngineCompile
 from deepshard.engine._engine_reads import EngineReads
 from deepshard.engine._engine_states import EngineStates
@@ -107,7 +107,9 @@ def _check_loss(loss: Any, what: str) -> torch.Tensor:
     return loss
 
 
-class DeepShardEngine(EngineReads, EngineStates, EngineCompile, torch.nn.Module):
+class DeepShardEngine(
+    EngineCheckpointing, EngineReads, EngineStates, EngineCompile, torch.nn.Module
+):
     """The training engine `deepshard.engine.initialize` returns.
 
     Attributes:
@@ -115,6 +117,8 @@ class DeepShardEngine(EngineReads, EngineStates, EngineCompile, torch.nn.Module)
         local_rank: Its rank on this node (the device index).
         world_size: The number of processes.
         device: Where the model lives.
+        training_dataloader: The loader ``initialize`` built from ``training_data`` (None
+            without one); checkpoints store its position.
 
     Args:
         module: The model (already cast and on its device).
@@ -154,6 +158,8 @@ class DeepShardEngine(EngineReads, EngineStates, EngineCompile, torch.nn.Module)
         self._grad_norm: float | None = None
         self._in_no_sync = False
         self._destroyed = False
+        self.training_dataloader: Any = None  # `initialize` sets the loader it built
+        self._pending_save = None  # a background checkpoint save (checkpoint.async_save)
         self._declare_boundary()
 
     def __getattr__(self, name: str) -> Any:

@@ -294,6 +294,6 @@ def initialize(
         ),
     )
     loader = _loader(training_data, collate_fn, parsed, batch, dims)
-    return InitializeResult(
-        DeepShardEngine(model, parts, compiled_forward=compiled), zero, loader, schedule
-    )
+    engine = DeepShardEngine(model, parts, compiled_forward=compiled)
+    engine.training_dataloader = loader  # its position goes into checkpoints
+    return InitializeResult(engine, zero, loader, schedule)

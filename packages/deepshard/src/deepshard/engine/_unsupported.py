@@ -9,7 +9,7 @@ Python's usual ``AttributeError``.
 Two kinds of entries:
 
 * features DeepShard does not carry, or not yet (pipeline parallelism, curriculum learning,
-  checkpoints until `deepshard.checkpoint` lands, ...), grouped by the reason;
+  universal-checkpoint loaders, ...), grouped by the reason;
 * DeepSpeed's one-line readers of config keys (``engine.zero_reduce_bucket_size()``): DeepShard's
   engine does not repeat its typed config as methods, so the message names the field to read
   (``engine.parts.config.zero_optimization.reduce_bucket_size``).
@@ -23,9 +23,8 @@ from types import MappingProxyType
 __all__ = ["CONFIG_READERS", "REFUSED_ENGINE_NAMES", "refused_attribute_message"]
 
 _CHECKPOINT = (
-    "DeepShard's sharded checkpoints come with the deepshard.checkpoint package, which this "
-    "release does not have yet; save the weights with engine.save_16bit_model(save_dir) "
-    "(safetensors) and load weights into the model before initialize"
+    "DeepShard's checkpoints are universal by construction: engine.load_checkpoint(load_dir) "
+    "reshards any engine checkpoint to this run's world size and ZeRO stage on load"
 )
 _LOAD_MODULE = (
     "loading into the engine's module would leave ZeRO's fp32 master weights behind; load the "
@@ -121,7 +120,7 @@ CONFIG_READERS: Mapping[str, str] = MappingProxyType(
 
 _FEATURES: dict[str, str] = {
     **_same(
-        ("save_checkpoint", "load_checkpoint", "load_universal_checkpoint", "load_moe_state_dict"),
+        ("load_universal_checkpoint", "load_moe_state_dict"),
         _CHECKPOINT,
     ),
     "load_module_state_dict": _LOAD_MODULE,
@@ -203,7 +202,7 @@ _FEATURES: dict[str, str] = {
         _COMPILE,
     ),
     **_same(("set_train_batch_size", "set_train_micro_batch_size"), _BATCH_SIZE),
-    **_same(("deepspeed_io", "training_dataloader"), _LOADER),
+    "deepspeed_io": _LOADER,
     **_same(("amp_enabled", "amp_params"), _AMP),
     "get_data_parallel_rank": _mesh("engine.mesh['dp'].get_local_rank()"),
     "get_tensor_parallel_rank": _mesh("engine.mesh['tp'].get_local_rank()"),

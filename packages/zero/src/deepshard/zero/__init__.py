@@ -27,6 +27,7 @@ from deepshard.zero._shard import register_external_parameter, shard, shard_info
 from deepshard.zero._shard_info import ShardInfo
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._stage3_optimizer import Stage3Optimizer
+from deepshard.zero._state_shards import StateShard
 from deepshard.zero._states import OFFLOAD_STATE_TYPES, OffloadReport
 from deepshard.zero.access import (
     PartitionedOwner,
@@ -84,6 +85,7 @@ __all__ = [
     "ShardInfo",
     "ShardedModule",
     "Stage3Optimizer",
+    "StateShard",
     "StepResult",
     "ZeroOptimizer",
     "ZeroPolicy",

@@ -216,6 +216,12 @@ class BufferAccess:
         """The live buffers."""
         return self._buffers.tensors()
 
+    @property
+    def target_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every parameter this rank transforms, by name (a buffer exists once
+        the parameter was first transformed, or was loaded)."""
+        return dict(self._buffers._shapes)
+
     def nbytes(self) -> int:
         """Bytes of the buffers on this rank."""
         return self._buffers.nbytes()

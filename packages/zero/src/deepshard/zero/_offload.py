@@ -204,6 +204,11 @@ class HostOffload:
         share = self.device_share.sub_groups if self.device_share is not None else ()
         return tuple((s, "device") for s in share) + tuple((s, "host") for s in self.sub_groups)
 
+    @property
+    def steps(self) -> list[int]:
+        """Steps taken so far per group (the CPU Adam kernel's bias-correction count)."""
+        return list(self._steps)
+
     def masters(self) -> tuple[torch.Tensor, ...]:
         """This rank's fp32 master partitions on the host (a fresh read for NVMe)."""
         self.mirror_device_share()

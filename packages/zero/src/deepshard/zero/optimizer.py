@@ -69,6 +69,7 @@ from deepshard.zero._settings import message_sizes, zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
+from deepshard.zero._state_shards import StateShardAccess
 from deepshard.zero._states import StateOffload
 from deepshard.zero._step import NormSettings, StepResult, checked_norm, step_inner
 from deepshard.zero.layout import FlatLayout, plan_gather_calls
@@ -78,7 +79,9 @@ from deepshard.zero.reduction import GradientReduction
 __all__ = ["ParamShard", "StepResult", "ZeroOptimizer"]
 
 
-class ZeroOptimizer(StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Optimizer):
+class ZeroOptimizer(
+    StateShardAccess, StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Optimizer
+):
     """Wraps ``optimizer`` so its state, master weights and (stage 2) gradients are partitioned.
 
     Args:

@@ -81,6 +81,15 @@ class CheckpointConfig(ConfigModel):
     writer: CheckpointWriterConfig | None = None
     """Checkpoint writer; None uses the default writer."""
 
+    async_save: bool = False
+    """DeepShard: ``engine.save_checkpoint`` copies the state to host memory and writes it on a
+    background thread while training continues; the next save, a load or process exit waits
+    for it, and its error surfaces at the next save."""
+
+    keep_last: int | None = Field(None, ge=1)
+    """DeepShard: after each successful save keep only this many complete checkpoints in the
+    directory (never the one ``latest`` names); None keeps every one."""
+
     @field_validator("tag_validation", mode="before")
     @classmethod
     def _case_insensitive(cls, value: object) -> object:

@@ -118,7 +118,41 @@ _IGNORED = (
             ("profile", "timing of checkpointed forward and recomputation", When("true")),
         )
     ),
-    FeatureStatus("checkpoint", "ignored", "checkpoint options", "deepshard-checkpoint"),
+    FeatureStatus(
+        "checkpoint.load_universal",
+        "ignored",
+        "no effect: every engine.load_checkpoint reshards",
+        None,
+        When("true"),
+    ),
+    FeatureStatus(
+        "checkpoint.use_node_local_storage",
+        "ignored",
+        "node-local checkpoint storage (every rank writes to the one shared directory)",
+        "deepshard-checkpoint",
+        When("true"),
+    ),
+    FeatureStatus(
+        "checkpoint.parallel_write",
+        "ignored",
+        "pipeline-stage parallel checkpoint writes (every rank writes its own file already)",
+        "deepshard-checkpoint",
+        When("true", field="pipeline_stage"),
+    ),
+    FeatureStatus(
+        "checkpoint.checkpoint_serialization",
+        "ignored",
+        "no effect: checkpoints are always safetensors and JSON",
+        None,
+        When("false"),
+    ),
+    FeatureStatus(
+        "checkpoint.writer",
+        "ignored",
+        "DeepSpeed's checkpoint writers (use checkpoint.async_save for background writes)",
+        "deepshard-checkpoint",
+        When("given"),
+    ),
     FeatureStatus(
         "timers",
         "ignored",

@@ -1,0 +1,166 @@
+"""The JSON part of an engine checkpoint: counters, schedule, loss scale, data position, config.
+
+Saved under the metadata's ``"engine"`` key by `engine_metadata` and put back by `restore`:
+
+* ``counters``: micro steps, global steps, samples and skipped steps (`_accumulation`);
+* ``lr_scheduler`` and ``loss_scaler``: their ``state_dict()`` (JSON by construction; a
+  client's schedule whose state is not JSON is refused by name);
+* ``param_groups``: each inner param group's hyper-parameters (``lr``, ``betas``...), which a
+  schedule or the caller may have changed since the optimizer was built;
+* ``dataloader``: the engine's data loader's epoch and samples consumed in it, per rank (a
+  load at another world size keeps the same share of the epoch's permutation);
+* ``config``, ``topology``, ``zero_stage`` and ``world_size``: for reading, not for loading;
+* ``client_state``: the JSON part of the caller's ``client_state``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from deepshard.interface.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from deepshard.engine._checkpointing import EngineCheckpointing
+
+__all__ = ["engine_metadata", "restore", "torch_dtype"]
+
+FORMAT = 1
+"""Version of the ``engine`` metadata."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype named ``name`` (``"float32"``)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"the checkpoint names an unknown dtype {name!r}")
+    return dtype
+
+
+def _json_ready(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{what} is not JSON data ({exc}); checkpoints never pickle, so it cannot be saved"
+        ) from exc
+
+
+def _readable(value: Any) -> Any:
+    """``value`` with non-finite floats as strings (``"inf"``): the config is stored for
+    reading, and JSON has no infinities."""
+    if isinstance(value, dict):
+        return {k: _readable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_readable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _hyper(value: Any) -> bool:
+    """Whether a param-group value is a JSON hyper-parameter (not tensors, not callables)."""
+    if isinstance(value, (list, tuple)):
+        return all(_hyper(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _param_groups(engine: EngineCheckpointing) -> list[dict[str, Any]]:
+    zero = engine.optimizer
+    if zero is None:
+        return []
+    return [
+        {k: v for k, v in group.items() if k != "params" and _hyper(v)}
+        for group in zero.param_groups
+    ]
+
+
+def _sampler(engine: EngineCheckpointing) -> Any:
+    sampler = getattr(engine.training_dataloader, "sampler", None)
+    return sampler if hasattr(sampler, "load_state_dict") else None
+
+
+def engine_metadata(
+    engine: EngineCheckpointing, tag: str, client_json: Any, *, exclude_frozen: bool
+) -> dict[str, Any]:
+    """Everything of the engine that is not a tensor, as JSON.
+
+    Raises:
+        CheckpointError: The LR schedule's state is not JSON data.
+    """
+    parts = engine.parts
+    topology = parts.dims.topology
+    scheduler = parts.lr_scheduler
+    sampler = _sampler(engine)
+    return {
+        "format": FORMAT,
+        "tag": tag,
+        "config": _json_ready(_readable(parts.config.to_dict()), "the config"),
+        "topology": dict(zip(topology.axis_names, topology.shape, strict=True)),
+        "world_size": parts.world.world_size,
+        "batch_world_size": parts.dims.batch_world_size,
+        "zero_stage": None if engine.optimizer is None else engine.optimizer.stage,
+        "counters": parts.accumulation.state_dict(),
+        "lr_scheduler": None
+        if scheduler is None
+        else _json_ready(scheduler.state_dict(), f"the LR schedule's state ({type(scheduler)})"),
+        "loss_scaler": parts.loss_scaler.state_dict(),
+        "param_groups": _json_ready(_param_groups(engine), "the param groups' hyper-parameters"),
+        "dataloader": None if sampler is None else sampler.state_dict(),
+        "exclude_frozen_parameters": exclude_frozen,
+        "client_state": client_json,
+    }
+
+
+def _restore_param_groups(
+    engine: EngineCheckpointing, saved: list[dict[str, Any]], *, lr_only: bool
+) -> None:
+    zero = engine.optimizer
+    if zero is None:
+        return
+    groups = zero.param_groups
+    if len(saved) != len(groups):
+        raise CheckpointError(
+            f"the checkpoint has {len(saved)} param groups, this optimizer {len(groups)}; build "
+            "the optimizer with the same groups, or pass load_optimizer_states=False"
+        )
+    for group, values in zip(groups, saved, strict=True):
+        for key, value in values.items():
+            if lr_only and key != "lr":
+                continue
+            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+
+
+def restore(
+    engine: EngineCheckpointing, saved: dict[str, Any], *, optimizer: bool, scheduler: bool
+) -> None:
+    """Put the counters, loss scale, schedule, hyper-parameters and data position back.
+
+    Args:
+        engine: The engine.
+        saved: The metadata's ``engine`` entry.
+        optimizer: Restore the param groups' hyper-parameters.
+        scheduler: Restore the LR schedule (and the groups' ``lr``).
+
+    Raises:
+        CheckpointError: An entry is missing or does not fit this engine.
+    """
+    parts = engine.parts
+    try:
+        parts.accumulation.load_state_dict(saved["counters"])
+        parts.loss_scaler.load_state_dict(saved["loss_scaler"])
+        if scheduler and parts.lr_scheduler is not None and saved["lr_scheduler"] is not None:
+            parts.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+        if optimizer or scheduler:
+            _restore_param_groups(engine, saved["param_groups"], lr_only=not optimizer)
+        sampler, position = _sampler(engine), saved.get("dataloader")
+        if sampler is not None and position is not None:
+            scale = (saved["batch_world_size"], parts.dims.batch_world_size)
+            sampler.load_state_dict(position, world_sizes=scale)
+    except KeyError as exc:
+        raise CheckpointError(
+            f"the checkpoint's engine metadata lacks {exc}; it was written by another version"
+        ) from exc

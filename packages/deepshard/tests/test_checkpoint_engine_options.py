@@ -1,0 +1,149 @@
+"""The ``checkpoint`` config block and the engine checkpoint options, on 2 gloo ranks.
+
+* ``tag_validation``: ``FAIL`` refuses tags that differ across ranks (on every rank, before
+  anything is written); ``WARN`` logs it and saves under rank 0's tag.
+* ``async_save`` with ``keep_last: 2``: three saves while training continues leave the last two
+  tags; loading the newest waits for it and gives the weights it was saved with.
+* A load without ``latest`` and without a tag lists the tags present; a ``client_state`` value
+  that is neither JSON nor a tensor is refused by its key path.
+* ZeRO stage 3 with a frozen layer: ``exclude_frozen_parameters`` leaves it out of the files, a
+  strict load of that checkpoint is refused and a lenient one keeps the fresh frozen weights;
+  a full checkpoint restores them (written back into the stage-3 partitions).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from deepshard.checkpoint import list_tags, load_state_dict_from_checkpoint
+from deepshard.testing import run_on_mesh
+
+
+def _engine(
+    mesh: Any, seed: int, *, stage: int = 1, frozen: bool = False, **checkpoint: Any
+) -> Any:
+    import deepshard.engine as ds
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+    if frozen:
+        model[0].requires_grad_(False)
+    config = {
+        "train_batch_size": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+        "checkpoint": checkpoint,
+    }
+    engine, _, _, _ = ds.initialize(model, config, mesh=mesh)
+    return engine
+
+
+def _step(engine: Any, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+
+
+def _weights(engine: Any) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.module_state_dict().items()}
+
+
+def _error(call: Any) -> str:
+    from deepshard.interface.errors import CheckpointError
+
+    try:
+        call()
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _tags_and_async(mesh: Any, root: str) -> dict[str, Any]:
+    rank, out = mesh.get_rank(), {}
+    fail = _engine(mesh, 0, tag_validation="fail")
+    out["fail"] = _error(lambda: fail.save_checkpoint(f"{root}/fail", tag=f"t{rank}"))
+    warn = _engine(mesh, 0, tag_validation="warn")
+    records = _Records()
+    logging.getLogger("deepshard.engine").addHandler(records)
+    warn.save_checkpoint(f"{root}/warn", tag=f"t{rank}", save_latest=False)
+    out["warned"], out["warn_tags"] = records.messages, list_tags(f"{root}/warn")
+    out["no_latest"] = _error(lambda: warn.load_checkpoint(f"{root}/warn"))
+    out["bad_client"] = _error(
+        lambda: warn.save_checkpoint(f"{root}/bad", client_state={"opts": {"fn": print}})
+    )
+    background = _engine(mesh, 0, async_save=True, keep_last=2)
+    saved = []
+    for step in range(3):
+        _step(background, step)
+        background.save_checkpoint(f"{root}/async")
+        saved.append(_weights(background))
+        _step(background, 10 + step)  # training goes on while the save is written
+    background.load_checkpoint(f"{root}/async")  # waits for its own last save first
+    out["async_tags"] = list_tags(f"{root}/async")
+    reader = _engine(mesh, 5, async_save=True, keep_last=2)
+    path, _ = reader.load_checkpoint(f"{root}/async")
+    out["async_path"] = path
+    out["async_equal"] = all(torch.equal(v, _weights(reader)[k]) for k, v in saved[-1].items())
+    return out
+
+
+def _frozen(mesh: Any, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    engine = _engine(mesh, 0, stage=3, frozen=True)
+    _step(engine, 0)
+    out["saved"] = _weights(engine)
+    engine.save_checkpoint(f"{root}/slim", exclude_frozen_parameters=True)
+    engine.save_checkpoint(f"{root}/full")
+    fresh = _engine(mesh, 1, stage=3, frozen=True)
+    out["fresh"] = _weights(fresh)
+    out["strict"] = _error(lambda: fresh.load_checkpoint(f"{root}/slim"))
+    fresh.load_checkpoint(f"{root}/slim", load_module_strict=False)
+    out["lenient"] = _weights(fresh)
+    fresh.load_checkpoint(f"{root}/full")
+    out["full"] = _weights(fresh)
+    return out
+
+
+def test_tag_validation_async_keep_last_and_refusals(tmp_path: Path) -> None:
+    per_rank = run_on_mesh(
+        _tags_and_async, 2, args=(str(tmp_path / "ck"),), store_dir=tmp_path, timeout_s=240
+    )
+    for out in per_rank:
+        assert "differs across ranks" in out["fail"] and "tag_validation=FAIL" in out["fail"]
+        assert out["warn_tags"] == ["t0"]
+        assert "no 'latest' file" in out["no_latest"] and "['t0']" in out["no_latest"]
+        assert "client_state/opts/fn" in out["bad_client"]
+        assert out["async_equal"] and Path(out["async_path"]).name == "global_step5"
+        assert out["async_tags"] == ["global_step3", "global_step5"]
+    assert not (tmp_path / "ck" / "fail").exists() or not list_tags(tmp_path / "ck" / "fail")
+    assert any("differs across ranks" in m for m in per_rank[0]["warned"])
+
+
+def test_frozen_parameters_at_stage3(tmp_path: Path) -> None:
+    per_rank = run_on_mesh(
+        _frozen, 2, args=(str(tmp_path / "ck"),), store_dir=tmp_path, timeout_s=240
+    )
+    slim = load_state_dict_from_checkpoint(tmp_path / "ck" / "slim")
+    full = load_state_dict_from_checkpoint(tmp_path / "ck" / "full")
+    assert "module/0.weight" not in slim and "module/2.weight" in slim
+    assert torch.equal(full["module/0.weight"], per_rank[0]["saved"]["0.weight"])
+    for out in per_rank:
+        assert "module tensors" in out["strict"] and "module/0.weight" in out["strict"]
+        assert torch.equal(out["lenient"]["0.weight"], out["fresh"]["0.weight"])
+        assert torch.equal(out["lenient"]["2.weight"], out["saved"]["2.weight"])
+        assert all(torch.equal(out["full"][k], v) for k, v in out["saved"].items())

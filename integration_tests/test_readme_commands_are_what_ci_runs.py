@@ -1,8 +1,8 @@
 """The set-up commands README.md gives a user are exactly the ones CI runs.
 
 The README's first screen promises that two commands work on a fresh machine with only Python and
-uv: the main job (2-rank CPU pretraining) and the test suite. `.ci/run` runs both, so this test pins the README and
-the CI script to the same text: neither can drift without the other.
+uv: the main job (2-rank CPU pretraining) and the test suite. `.ci/run` runs both, so this test
+pins the README and the CI script to the same text: neither can drift without the other.
 """
 
 from __future__ import annotations

@@ -48,24 +48,39 @@ HELD_OUT_EVERY = 10  # every tenth file of the sorted list is held out
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line: run length, output folder and model size."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", type=Path, default=HERE / "ds_config.json",
-                   help="DeepSpeed-style JSON config (default: ds_config.json beside this file)")
-    p.add_argument("--out", type=Path, default=Path("runs/pretrain"),
-                   help="output folder; checkpoints go to <out>/checkpoints")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=HERE / "ds_config.json",
+        help="DeepSpeed-style JSON config (default: ds_config.json beside this file)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/pretrain"),
+        help="output folder; checkpoints go to <out>/checkpoints",
+    )
     p.add_argument("--steps", type=int, default=120, help="total optimizer steps")
     p.add_argument("--eval-every", type=int, default=20, help="held-out evaluation interval")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
     p.add_argument("--save-every", type=int, default=40, help="checkpoint interval (steps)")
-    p.add_argument("--data", type=Path, default=None,
-                   help="folder of text files to train on (default: the standard library)")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="folder of text files to train on (default: the standard library)",
+    )
     p.add_argument("--glob", default="*.py", help="which files of --data to read")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sample")
     p.add_argument("--hidden-size", type=int, default=384)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpu-bf16", action="store_true",
-                   help="keep the config's bf16 on a CPU-only machine (slow there)")
+    p.add_argument(
+        "--cpu-bf16",
+        action="store_true",
+        help="keep the config's bf16 on a CPU-only machine (slow there)",
+    )
     p.add_argument("--local_rank", type=int, default=-1, help="set by ds-launch; unused")
     args = p.parse_args(argv)
     for name in ("steps", "eval_every", "eval_batches", "save_every", "seq_len"):
@@ -87,8 +102,10 @@ def read_corpus(root: Path, pattern: str) -> tuple[torch.Tensor, torch.Tensor, i
     for i, path in enumerate(files):
         (held_out if i % HELD_OUT_EVERY == 0 else train).append(path.read_bytes())
     if not held_out or not train:
-        raise SystemExit(f"--data {root}: need at least {HELD_OUT_EVERY + 1} files "
-                         f"matching {pattern!r}, found {len(files)}")
+        raise SystemExit(
+            f"--data {root}: need at least {HELD_OUT_EVERY + 1} files "
+            f"matching {pattern!r}, found {len(files)}"
+        )
     as_tensor = lambda parts: torch.frombuffer(bytearray(b"\n".join(parts)), dtype=torch.uint8)  # noqa: E731
     return as_tensor(train), as_tensor(held_out), len(files)
 
@@ -99,8 +116,9 @@ def windows(text: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Ten
     return text[offsets].long()
 
 
-def train_batch(text: torch.Tensor, *, step: int, rank: int, size: int, seq_len: int,
-                seed: int) -> torch.Tensor:
+def train_batch(
+    text: torch.Tensor, *, step: int, rank: int, size: int, seq_len: int, seed: int
+) -> torch.Tensor:
     """This rank's micro-batch of step ``step``: random windows, the same on every rerun."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 4099 + rank)
     starts = torch.randint(0, text.numel() - seq_len, (size,), generator=gen)
@@ -163,9 +181,41 @@ def resume(engine: Any, ckpt_dir: Path, say: Any) -> int:
         say(f"no checkpoint in {ckpt_dir}: starting from step 0")
         return 0
     path, client = engine.load_checkpoint(ckpt_dir)
-    say(f"resumed from {path} at step {engine.global_steps} "
-        f"({client.get('tokens_seen', 0):,} tokens seen)")
+    say(
+        f"resumed from {path} at step {engine.global_steps} "
+        f"({client.get('tokens_seen', 0):,} tokens seen)"
+    )
     return int(engine.global_steps)
+
+
+def progress_bar(console: Console, *, enabled: bool) -> Progress:
+    """Step count, bar, loss, lr, tokens/s, elapsed time and ETA (live only in a terminal)."""
+    return Progress(
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]:.3f} lr {task.fields[lr]:.2e}"),
+        TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+    )
+
+
+def train_step(engine: Any, text: torch.Tensor, step: int, args: argparse.Namespace) -> float:
+    """One optimizer step (all its micro-batches); the last micro-batch's loss."""
+    ga = engine.gradient_accumulation_steps()
+    mb = engine.train_micro_batch_size_per_gpu()
+    for micro in range(ga):
+        batch = train_batch(
+            text, step=step * ga + micro, rank=engine.global_rank, size=mb,
+            seq_len=args.seq_len, seed=args.seed,
+        ).to(engine.device)  # fmt: skip
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+    return float(loss.detach())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -177,49 +227,36 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     config, note = load_config(args.config, args.steps, args.cpu_bf16)
     engine, *_ = ds.initialize(model=model, config=config)
-    device = engine.device
-    rank, world = engine.global_rank, engine.world_size
+    is_main = engine.global_rank == 0
     console = Console(soft_wrap=True)
-    say = console.print if rank == 0 else (lambda *a, **k: None)
-    mb = engine.train_micro_batch_size_per_gpu()
-    ga = engine.gradient_accumulation_steps()
+    say = console.print if is_main else (lambda *a, **k: None)
+    precision = "bf16" if engine.bfloat16_enabled() else "fp32"
     say(f"{root}: {n_files} files, {train_text.numel():,} train / {held_text.numel():,} "
-        f"held-out bytes; model {n_params / 1e6:.1f}M parameters; {world} ranks, ZeRO-"
-        f"{engine.zero_optimization_stage()}, {'bf16' if engine.bfloat16_enabled() else 'fp32'} {note}")
+        f"held-out bytes; model {n_params / 1e6:.1f}M parameters; {engine.world_size} ranks, "
+        f"ZeRO-{engine.zero_optimization_stage()}, {precision} {note}")  # fmt: skip
     ckpt_dir = args.out / "checkpoints"
     step = resume(engine, ckpt_dir, say)
-    evals = [b.to(device) for b in eval_batches(held_text, count=args.eval_batches, size=mb,
-                                                 seq_len=args.seq_len)]  # fmt: skip
+    mb = engine.train_micro_batch_size_per_gpu()
+    evals = eval_batches(held_text, count=args.eval_batches, size=mb, seq_len=args.seq_len)
+    evals = [b.to(engine.device) for b in evals]
     say(f"step {step}: held-out loss {held_out_loss(engine, evals):.4f}")
-    tokens_per_step = mb * ga * world * args.seq_len
-    progress = Progress(
-        TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-        TextColumn("loss {task.fields[loss]:.3f} lr {task.fields[lr]:.2e} "
-                   "{task.fields[tps]:,.0f} tok/s"),
-        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        console=console, disable=rank != 0 or not console.is_terminal,
-    )  # fmt: skip
-    with progress:
+    tokens_per_step = engine.train_batch_size() * args.seq_len
+    with progress_bar(console, enabled=is_main and console.is_terminal) as progress:
         task = progress.add_task("train", total=args.steps, completed=step, loss=0.0, lr=0.0,
                                  tps=0.0)  # fmt: skip
         while step < args.steps:
             began = time.perf_counter()
-            for micro in range(ga):
-                batch = train_batch(train_text, step=step * ga + micro, rank=rank, size=mb,
-                                    seq_len=args.seq_len, seed=args.seed).to(device)  # fmt: skip
-                loss = engine(input_ids=batch, labels=batch).loss
-                engine.backward(loss)
-                engine.step()
-            step = engine.global_steps
+            loss = train_step(engine, train_text, step, args)
+            step, lr = engine.global_steps, engine.get_lr()[0]
             tps = tokens_per_step / (time.perf_counter() - began)
-            progress.update(task, completed=step, loss=loss.item(), lr=engine.get_lr()[0], tps=tps)
+            progress.update(task, completed=step, loss=loss, lr=lr, tps=tps)
             if step % args.eval_every == 0 or step == args.steps:
-                say(f"step {step}: train loss {loss.item():.4f} held-out loss "
-                    f"{held_out_loss(engine, evals):.4f} lr {engine.get_lr()[0]:.2e} "
-                    f"{tps:,.0f} tok/s")
+                say(f"step {step}: train loss {loss:.4f} held-out loss "
+                    f"{held_out_loss(engine, evals):.4f} lr {lr:.2e} {tps:,.0f} tok/s")  # fmt: skip
             if step % args.save_every == 0 or step == args.steps:
-                engine.save_checkpoint(ckpt_dir, client_state={"tokens_seen": step *
-                                                               tokens_per_step})  # fmt: skip
+                engine.save_checkpoint(
+                    ckpt_dir, client_state={"tokens_seen": step * tokens_per_step}
+                )
                 say(f"step {step}: checkpoint saved to {ckpt_dir / f'global_step{step}'}")
     say(f"done: {step} steps, checkpoints in {ckpt_dir}")
 

@@ -4,7 +4,8 @@ A shortened run (tiny model through the script's own flags, the shipped ds_confi
 ZeRO-3 and the FLOPs profiler) is started twice through ``ds-launch`` on 2 CPU ranks:
 
 * run 1 (24 steps): the held-out loss it logs at the end is at least 30% below the one it logs
-  before training, the FLOPs profile is printed, and a checkpoint of the last step exists;
+  before training, the progress line and the FLOPs profile are printed, and a checkpoint of the
+  last step exists;
 * run 2 (same folder, 36 steps) says it resumed from that checkpoint at step 24, logs the same
   held-out loss there as run 1 logged at its end (the weights were restored, not re-initialised),
   trains only steps 25-36 and prints no second FLOPs profile.
@@ -48,6 +49,9 @@ def test_pretrain_learns_saves_and_resumes(tmp_path: Path) -> None:
     assert sorted(losses) == [0, 12, 24], first[-3000:]
     assert losses[24] <= 0.7 * losses[0], f"held-out loss {losses[0]} -> {losses[24]}"
     assert "no checkpoint in" in first
+    # Under ds-launch (a pipe) the progress bar comes as log lines: loss, lr, tokens/s, ETA.
+    bar = r"step 24/24 \[#{20}\] loss [0-9.]+ lr [0-9.e+-]+ [0-9,]+ tok/s [0-9:]+ ETA [0-9:]+"
+    assert re.search(bar, first), first[-3000:]
     assert first.count("FLOPs profiler") == 1
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "global_step24"
     assert (tmp_path / "checkpoints" / "global_step24").is_dir()

@@ -16,7 +16,9 @@ What it does:
   flags below), trained by ``deepshard.engine`` with the ZeRO stage, precision, optimizer, LR
   schedule and FLOPs profiler that ``ds_config.json`` sets (ZeRO-3, bf16 by default). The
   schedule's ``total_num_steps`` follows ``--steps``.
-* **Progress.** Rank 0 shows a progress bar with loss, lr, tokens/s and ETA, logs the held-out
+* **Progress.** Rank 0 shows a progress bar with loss, lr, tokens/s and ETA (a live bar in a
+  terminal; under ``ds-launch``, whose relay is line-based, the same bar as a log line every
+  ``--log-every`` steps), logs the held-out
   loss every ``--eval-every`` steps (and at the start and the end), and the engine prints the
   FLOPs profile of step ``flops_profiler.profile_step`` once.
 * **Checkpoints.** Every ``--save-every`` steps and at the end, under ``<out>/checkpoints``.
@@ -31,6 +33,7 @@ import json
 import os
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=120, help="total optimizer steps")
     p.add_argument("--eval-every", type=int, default=20, help="held-out evaluation interval")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=5,
+        help="progress-line interval when the output is not a terminal",
+    )
     p.add_argument("--save-every", type=int, default=40, help="checkpoint interval (steps)")
     p.add_argument(
         "--data",
@@ -83,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--local_rank", type=int, default=-1, help="set by ds-launch; unused")
     args = p.parse_args(argv)
-    for name in ("steps", "eval_every", "eval_batches", "save_every", "seq_len"):
+    for name in ("steps", "eval_every", "eval_batches", "log_every", "save_every", "seq_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.hidden_size % args.heads:
@@ -175,7 +184,7 @@ def held_out_loss(engine: Any, batches: list[torch.Tensor]) -> float:
     return sum(losses) / len(losses)
 
 
-def resume(engine: Any, ckpt_dir: Path, say: Any) -> int:
+def resume(engine: Any, ckpt_dir: Path, say: Callable[[str], None]) -> int:
     """Load the latest checkpoint under ``ckpt_dir`` if there is one; the step to start from."""
     if not (ckpt_dir / "latest").is_file():
         say(f"no checkpoint in {ckpt_dir}: starting from step 0")
@@ -201,6 +210,16 @@ def progress_bar(console: Console, *, enabled: bool) -> Progress:
         console=console,
         disable=not enabled,
     )
+
+
+def progress_text(
+    step: int, total: int, *, loss: float, lr: float, tps: float, elapsed: float, eta: float
+) -> str:
+    """The bar as one log line, for output that is not a terminal (``ds-launch`` pipes it)."""
+    done = round(20 * step / total)
+    clock = lambda s: time.strftime("%H:%M:%S", time.gmtime(s))  # noqa: E731
+    return (f"step {step}/{total} [{'#' * done}{'.' * (20 - done)}] loss {loss:.3f} "
+            f"lr {lr:.2e} {tps:,.0f} tok/s {clock(elapsed)} ETA {clock(eta)}")  # fmt: skip
 
 
 def train_step(engine: Any, text: torch.Tensor, step: int, args: argparse.Namespace) -> float:
@@ -229,7 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     engine, *_ = ds.initialize(model=model, config=config)
     is_main = engine.global_rank == 0
     console = Console(soft_wrap=True)
-    say = console.print if is_main else (lambda *a, **k: None)
+
+    def say(text: str) -> None:  # rank 0 logs; no rich markup: the bar line has [brackets]
+        if is_main:
+            console.print(text, markup=False, highlight=False)
+
     precision = "bf16" if engine.bfloat16_enabled() else "fp32"
     say(f"{root}: {n_files} files, {train_text.numel():,} train / {held_text.numel():,} "
         f"held-out bytes; model {n_params / 1e6:.1f}M parameters; {engine.world_size} ranks, "
@@ -241,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     evals = [b.to(engine.device) for b in evals]
     say(f"step {step}: held-out loss {held_out_loss(engine, evals):.4f}")
     tokens_per_step = engine.train_batch_size() * args.seq_len
-    with progress_bar(console, enabled=is_main and console.is_terminal) as progress:
+    live = console.is_terminal  # under ds-launch the output is a pipe: log lines instead
+    first_step, started = step, time.perf_counter()
+    with progress_bar(console, enabled=is_main and live) as progress:
         task = progress.add_task("train", total=args.steps, completed=step, loss=0.0, lr=0.0,
                                  tps=0.0)  # fmt: skip
         while step < args.steps:
@@ -250,6 +275,11 @@ def main(argv: list[str] | None = None) -> None:
             step, lr = engine.global_steps, engine.get_lr()[0]
             tps = tokens_per_step / (time.perf_counter() - began)
             progress.update(task, completed=step, loss=loss, lr=lr, tps=tps)
+            if not live and (step % args.log_every == 0 or step == args.steps):
+                elapsed = time.perf_counter() - started
+                eta = elapsed / (step - first_step) * (args.steps - step)
+                say(progress_text(step, args.steps, loss=loss, lr=lr, tps=tps,
+                                  elapsed=elapsed, eta=eta))  # fmt: skip
             if step % args.eval_every == 0 or step == args.steps:
                 say(f"step {step}: train loss {loss:.4f} held-out loss "
                     f"{held_out_loss(engine, evals):.4f} lr {lr:.2e} {tps:,.0f} tok/s")  # fmt: skip

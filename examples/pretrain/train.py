@@ -112,8 +112,8 @@ def read_corpus(root: Path, pattern: str) -> tuple[torch.Tensor, torch.Tensor, i
         (held_out if i % HELD_OUT_EVERY == 0 else train).append(path.read_bytes())
     if not held_out or not train:
         raise SystemExit(
-            f"--data {root}: need at least {HELD_OUT_EVERY + 1} files "
-            f"matching {pattern!r}, found {len(files)}"
+            f"--data {root}: found {len(files)} files matching --glob {pattern!r}; need at least "
+            "2 (every tenth is held out for evaluation): point --data at a folder of text files"
         )
     as_tensor = lambda parts: torch.frombuffer(bytearray(b"\n".join(parts)), dtype=torch.uint8)  # noqa: E731
     return as_tensor(train), as_tensor(held_out), len(files)

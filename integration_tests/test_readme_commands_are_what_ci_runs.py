@@ -1,8 +1,8 @@
 """The set-up commands README.md gives a user are exactly the ones CI runs.
 
 The README's first screen promises that two commands work on a fresh machine with only Python and
-uv: the 2-rank smoke run and the test suite. `.ci/run` runs both, so this test pins the README and
-the CI script to the same text: neither can drift without the other.
+uv: the main job (2-rank CPU pretraining) and the test suite. `.ci/run` runs both, so this test
+pins the README and the CI script to the same text: neither can drift without the other.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SMOKE = "uv run --all-packages torchrun --standalone --nproc_per_node=2 examples/comm_smoke.py"
+MAIN_JOB = "uv run --all-packages ds-launch --nproc_per_node 2 examples/pretrain/train.py"
 TESTS = "uv run --all-packages pytest"
 
 
@@ -25,19 +25,21 @@ def _ci_commands() -> str:
     return re.sub(r"\\\n\s*", "", script)
 
 
-def test_readme_opens_with_the_smoke_run_then_the_tests() -> None:
+def test_readme_opens_with_the_main_job_then_the_tests() -> None:
     blocks = _bash_blocks((REPO / "README.md").read_text())
-    assert blocks[:2] == [SMOKE, TESTS]
+    assert blocks[:2] == [MAIN_JOB, TESTS]
 
 
 def test_ci_runs_both_readme_commands() -> None:
     lines = [line.strip() for line in _ci_commands().splitlines()]
-    assert any(line.endswith(SMOKE) for line in lines), f".ci/run does not run `{SMOKE}`"
+    assert any(line.endswith(MAIN_JOB) for line in lines), f".ci/run does not run `{MAIN_JOB}`"
     assert any(line.split(" || ")[0] == TESTS for line in lines), f".ci/run lacks `{TESTS}`"
 
 
-def test_the_smoke_script_exists() -> None:
-    assert (REPO / SMOKE.split()[-1]).is_file()
+def test_the_main_job_script_and_its_config_exist() -> None:
+    script = REPO / MAIN_JOB.split()[-1]
+    assert script.is_file()
+    assert (script.parent / "ds_config.json").is_file()
 
 
 def test_ci_script_is_executable_and_strict() -> None:

@@ -5,7 +5,8 @@ forward FLOPs are those the standalone profiler counts for one micro-batch times
 accumulation micro-steps, the backward FLOPs are 3/2 of the forward (the two equal GEMMs of
 this bias-free MLP have three GEMMs of their size in backward: the first layer's input needs no
 gradient), and the summary carries the step's latencies,
-samples/s and TFLOPS. The timer line printed every ``steps_per_print`` has a positive "reduce"
+samples/s and TFLOPS; at stage 3, whose parameters are empty between uses, the parameter count
+is still the model's. The timer line printed every ``steps_per_print`` has a positive "reduce"
 read from the comms logger's records of each step.
 """
 
@@ -41,7 +42,7 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _train(mesh: Any, out_dir: str) -> dict[str, Any]:
+def _train(mesh: Any, out_dir: str, stage: int = 2) -> dict[str, Any]:
     import deepshard.engine as ds
 
     handler = _Lines()
@@ -54,7 +55,7 @@ def _train(mesh: Any, out_dir: str) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": _MICRO,
         "gradient_accumulation_steps": _GA,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": stage},
         "steps_per_print": 3,
         "wall_clock_breakdown": True,
         "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": str(output)},
@@ -110,3 +111,11 @@ def test_the_breakdown_reads_reduce_from_the_steps_comms_records(
     assert set(phases) == {"forward", "backward", "reduce", "step"}
     assert all(float(value) > 0 for value in phases.values())
     assert not any("not wired" in line for line in results[0]["lines"])
+
+
+def test_stage_3_profiles_count_the_full_parameters(tmp_path: Path) -> None:
+    results = run_on_mesh(
+        _train, 2, args=(str(tmp_path / "out"), 3), store_dir=tmp_path / "store", timeout_s=120
+    )
+    summary = results[0]["profile"]["summary"]
+    assert summary["params per device"] == sum(p.numel() for p in _mlp().parameters())

@@ -299,6 +299,12 @@ def initialize(
             world_size=dims.mesh.size(),
             dp_size=dims.batch_world_size,
             batch=batch,
+            # stage-3 parameters are empty between uses: count them at their full size
+            param_numel=(
+                (lambda p: zero.sharded.shard_info(p).numel)
+                if isinstance(zero, Stage3Optimizer)
+                else None
+            ),
         ),
     )
     built = _loader(training_data, collate_fn, parsed, batch, dims)

@@ -11,6 +11,8 @@ counted FLOPs for the utilisation (recomputed forwards are counted in backward).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from deepshard.interface import BatchSizes
@@ -30,6 +32,8 @@ class StepProfiling:
         world_size: Ranks in the job.
         dp_size: Ranks reading different samples.
         batch: The reconciled batch sizes.
+        param_numel: The elements a parameter stands for in the profile's parameter counts
+            (the full size of a ZeRO stage-3 parameter); ``numel()`` by default.
     """
 
     def __init__(
@@ -41,6 +45,7 @@ class StepProfiling:
         world_size: int,
         dp_size: int,
         batch: BatchSizes,
+        param_numel: Callable[[torch.nn.Parameter], int] | None = None,
     ) -> None:
         self.config = config
         self._active = config.enabled and rank == 0
@@ -50,7 +55,10 @@ class StepProfiling:
         self.profiler: FlopsProfiler | None = None
         if self._active:
             self.profiler = FlopsProfiler(
-                module, count_backward=True, recompute_fwd_factor=config.recompute_fwd_factor
+                module,
+                count_backward=True,
+                recompute_fwd_factor=config.recompute_fwd_factor,
+                param_numel=param_numel,
             )
 
     def before_forward(self, global_step: int) -> None:

@@ -66,6 +66,9 @@ class FlopsProfiler:
         synchronize: Waits for queued device work around each module's clock readings; by
             default the accelerator of the model's parameters (nothing on CPU).
         clock: Monotonic seconds.
+        param_numel: The elements a parameter stands for in the parameter counts; by default
+            ``numel()``. Under ZeRO stage 3 a parameter is empty between uses, and the engine
+            passes its owner's full count (DeepSpeed reads ``ds_numel`` for the same reason).
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class FlopsProfiler:
         recompute_fwd_factor: float = 0.0,
         synchronize: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        param_numel: Callable[[torch.nn.Parameter], int] | None = None,
     ) -> None:
         if peak_flops is not None and peak_flops <= 0:
             raise ProfilerError(f"peak_flops must be positive FLOP/s, got {peak_flops}")
@@ -86,6 +90,7 @@ class FlopsProfiler:
         self._peak = peak_flops
         self._synchronize = synchronize if synchronize is not None else _device_synchronizer(model)
         self._clock = clock
+        self._param_numel = param_numel if param_numel is not None else torch.nn.Parameter.numel
         self._recorder: Recorder | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -164,6 +169,7 @@ class FlopsProfiler:
             backward_counted=self.count_backward,
             peak_flops=peak,
             training=training,
+            param_numel=self._param_numel,
         )
 
     def _known_peak(self) -> float | None:

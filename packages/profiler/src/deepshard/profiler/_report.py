@@ -9,7 +9,7 @@ MACs, latency and FLOPS and their shares of the total. ``as_json`` holds the sam
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -127,8 +127,8 @@ class ModelProfile:
         }
 
 
-def _params(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _params(module: torch.nn.Module, numel: Callable[[torch.nn.Parameter], int]) -> int:
+    return sum(numel(p) for p in module.parameters())
 
 
 def build_profile(
@@ -139,6 +139,7 @@ def build_profile(
     backward_counted: bool,
     peak_flops: float | None,
     training: TrainingStep | None = None,
+    param_numel: Callable[[torch.nn.Parameter], int] = torch.nn.Parameter.numel,
 ) -> ModelProfile:
     """Freeze the recorder's tallies into a module tree.
 
@@ -149,6 +150,8 @@ def build_profile(
         backward_counted: Whether backward operators were counted.
         peak_flops: Peak FLOP/s of one device, for the utilisation.
         training: The training step, when the engine took the profile.
+        param_numel: The elements a parameter stands for (a ZeRO stage-3 parameter is empty
+            between uses; its owner gives the full count).
     """
     paths: dict[int, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
@@ -160,7 +163,7 @@ def build_profile(
         return ModuleProfile(
             name=name,
             type_name=type(module).__name__,
-            params=_params(module),
+            params=_params(module, param_numel),
             flops=tally.flops,
             macs=tally.macs,
             backward_flops=tally.backward_flops,

@@ -96,7 +96,8 @@ def main(argv: list[str]) -> None:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    info = {"universal_checkpoint_info": {}} if "--universal-info" in argv else None
+    # ds_to_universal requires the entry; DeepSpeed itself fails on client_state=None here.
+    info = {"universal_checkpoint_info": {}} if "--universal-info" in argv else {}
     engine.save_checkpoint(out, client_state=info)
     reference: dict[str, torch.Tensor] = {}
     for name, param in engine.module.named_parameters():

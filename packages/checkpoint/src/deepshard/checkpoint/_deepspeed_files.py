@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,15 @@ SAFE_DEEPSPEED_GLOBALS: tuple[tuple[Any, str], ...] = (
 """The DeepSpeed globals allowed in a file, by exact name, and what each is read as."""
 
 
+def _unpickler_reason(message: str) -> str:
+    """torch's own sentence naming the refused global, without its advice to unpickle anyway."""
+    match = re.search(r"WeightsUnpickler error: ([^\n]*)", message)
+    if match:
+        return match[1].strip().rstrip(".")
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[-1] if lines else "the unpickler refused it"
+
+
 def load_deepspeed_file(path: str | os.PathLike[str]) -> Any:
     """Read one DeepSpeed ``.pt`` file with ``torch.load(weights_only=True)`` on CPU.
 
@@ -92,7 +102,7 @@ def load_deepspeed_file(path: str | os.PathLike[str]) -> Any:
         with torch.serialization.safe_globals(list(SAFE_DEEPSPEED_GLOBALS)):
             return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = _unpickler_reason(str(exc))
         raise CheckpointError(
             f"{file}: refused, reading it would need arbitrary unpickling ({reason}). "
             "DeepShard never runs code from a checkpoint; load it with DeepSpeed in a trusted "

@@ -3,8 +3,9 @@
     python deepspeed_writer.py STAGE OUT_DIR STORE_FILE RANK WORLD [--universal-info]
 
 Trains `model()` for `STEPS` AdamW steps at ZeRO ``STAGE`` on DeepSpeed's CPU accelerator over
-gloo, calls ``engine.save_checkpoint(OUT_DIR)``, and rank 0 writes ``OUT_DIR/reference.safetensors``:
-every parameter's fp32 master and Adam moments as DeepSpeed's own live-engine API returns them
+gloo, calls ``engine.save_checkpoint(OUT_DIR)``, and rank 0 writes
+``OUT_DIR/reference.safetensors``: every parameter's fp32 master and Adam moments as
+DeepSpeed's own live-engine API returns them
 (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``), the independent reference the
 import is compared with, plus ``OUT_DIR/reference.json`` (losses, the Adam step, the steps run).
 
@@ -82,7 +83,10 @@ def main(argv: list[str]) -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # see the docstring
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=120),
     )
     deepspeed.init_distributed(dist_backend="gloo")

@@ -100,7 +100,8 @@ def test_reshard_to_three_ranks_at_stage_3(saved: Path, tmp_path: Path) -> None:
         width = -(-tensor.numel() // 3)
         expected = [
             (r, r * width, min(tensor.numel(), (r + 1) * width))
-            for r in range(3) if r * width < tensor.numel()
+            for r in range(3)
+            if r * width < tensor.numel()
         ]
         assert sorted((p["rank"], p["flat_start"], p["flat_stop"]) for p in pieces) == expected
     whole = load_state_dict_from_checkpoint(out)

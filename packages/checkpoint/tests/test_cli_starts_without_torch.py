@@ -28,7 +28,10 @@ print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
 def _probe(*argv: str) -> tuple[dict[str, object], str]:
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, *argv],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     report: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
     return report, done.stdout + done.stderr

@@ -80,5 +80,5 @@ def test_malicious_pickle_is_refused_and_never_runs(
 
 def test_a_clean_file_of_the_same_shape_is_read(tmp_path: Path) -> None:
     source = _ds_dir(tmp_path / "ds", None, None)
-    with pytest.raises(CheckpointError, match="optimizer has 1 parameters|no 'step'"):
+    with pytest.raises(CheckpointError, match=r"optimizer has 1 parameters|no .step."):
         read_deepspeed(source)  # gets past unpickling to the content checks

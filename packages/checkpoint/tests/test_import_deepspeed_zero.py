@@ -47,7 +47,10 @@ def _start(stage: int, root: Path, tmp: Path) -> tuple[Path, list[subprocess.Pop
     ranks = [
         subprocess.Popen(
             [*command, str(r), str(WORLD), "--universal-info"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(WORLD)
     ]
@@ -60,8 +63,10 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     tmp = tmp_path_factory.mktemp("deepspeed")
     started = {stage: _start(stage, tmp, tmp) for stage in (2, 3)}
     try:
-        outputs = {s: [p.communicate(timeout=DEEPSPEED_TIMEOUT_S)[0] for p in r]
-                   for s, (_, r) in started.items()}
+        outputs = {
+            s: [p.communicate(timeout=DEEPSPEED_TIMEOUT_S)[0] for p in r]
+            for s, (_, r) in started.items()
+        }
     finally:
         for _, ranks in started.values():
             for process in ranks:
@@ -113,14 +118,28 @@ def test_universal_checkpoint_imports_to_the_same_tensors(
     tag = (source / "latest").read_text().strip()
     universal = tmp_path / "universal" / f"{tag}_universal"
     command = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-        str(source / tag), "--output_folder", str(universal), "--num_extract_workers", "1",
-        "--num_merge_workers", "1",
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(source / tag),
+        "--output_folder",
+        str(universal),
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert main(["import-deepspeed", str(universal), str(tmp_path / "out"), "--out-tag", "u"]) == 0
     reference = load_file(source / "reference.safetensors")
-    _check(tmp_path / "out" / "u", reference, json.loads((source / "reference.json").read_text())["steps"])
-    assert read_metadata(tmp_path / "out" / "u")["metadata"]["imported_from"]["layout"] == "universal"
+    _check(
+        tmp_path / "out" / "u",
+        reference,
+        json.loads((source / "reference.json").read_text())["steps"],
+    )
+    assert (
+        read_metadata(tmp_path / "out" / "u")["metadata"]["imported_from"]["layout"] == "universal"
+    )

@@ -119,7 +119,9 @@ def _model_states(tag_dir: Path) -> dict[str, Any]:
     return states
 
 
-def _shapes(states: Mapping[str, Any], key: str = "param_shapes") -> list[dict[str, tuple[int, ...]]]:
+def _shapes(
+    states: Mapping[str, Any], key: str = "param_shapes"
+) -> list[dict[str, tuple[int, ...]]]:
     groups = states.get(key) or []
     if isinstance(groups, Mapping):
         groups = [groups]
@@ -223,7 +225,7 @@ def _read_zero0(tag_dir: Path, states: Mapping[str, Any]) -> DeepSpeedState:
     seen: set[tuple[int, int]] = set()
     names = []
     for name, tensor in module.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
         if name in buffers or key in seen:
             continue  # shared parameters are one optimizer entry, under their first name
         seen.add(key)
@@ -249,14 +251,23 @@ def _read_zero0(tag_dir: Path, states: Mapping[str, Any]) -> DeepSpeedState:
         steps.append(_single(group_steps, tag_dir))
     groups = tuple(tuple(by_index[int(i)] for i in g["params"]) for g in optimizer["param_groups"])
     return DeepSpeedState(
-        "zero-0", int(states.get("dp_world_size") or 1), masters, moments, tuple(steps),
-        _extra(states, set(masters)), groups, _counters(states), str(states.get("ds_version")),
+        "zero-0",
+        int(states.get("dp_world_size") or 1),
+        masters,
+        moments,
+        tuple(steps),
+        _extra(states, set(masters)),
+        groups,
+        _counters(states),
+        str(states.get("ds_version")),
     )
 
 
 def _single(values: set[float], where: Path) -> float:
     if len(values) != 1:
-        raise CheckpointError(f"{where}: parameters of one group have different Adam steps {values}")
+        raise CheckpointError(
+            f"{where}: parameters of one group have different Adam steps {values}"
+        )
     return values.pop()
 
 
@@ -294,8 +305,15 @@ def _read_partitioned(
             for m in MOMENTS:
                 moments[m][name] = torch.cat(got[m]).float().view(shape).clone()
     return DeepSpeedState(
-        layout, len(parts), masters, moments, tuple(steps), _extra(states, set(masters)),
-        tuple(tuple(g) for g in shapes), _counters(states), str(states.get("ds_version")),
+        layout,
+        len(parts),
+        masters,
+        moments,
+        tuple(steps),
+        _extra(states, set(masters)),
+        tuple(tuple(g) for g in shapes),
+        _counters(states),
+        str(states.get("ds_version")),
     )
 
 
@@ -335,8 +353,14 @@ def _read_zero3(
     frozen = _frozen_zero3(tag_dir, states, world, report)
     extra = {**_extra(states, set(masters) | set(frozen)), **frozen}
     return DeepSpeedState(
-        "zero-3", world, masters, moments, (_single(steps, tag_dir),) * max(1, len(shapes)),
-        extra, tuple(tuple(g) for g in shapes), _counters(states),
+        "zero-3",
+        world,
+        masters,
+        moments,
+        (_single(steps, tag_dir),) * max(1, len(shapes)),
+        extra,
+        tuple(tuple(g) for g in shapes),
+        _counters(states),
         str(states.get("ds_version")),
     )
 
@@ -387,9 +411,17 @@ def _read_universal(tag_dir: Path, report: Progress) -> DeepSpeedState:
             moments[m][name] = _universal_value(zero / name / f"{m}.pt").float().clone()
         if (zero / name / "step.pt").is_file():
             steps.add(float(_universal_value(zero / name / "step.pt")))
-    groups = tuple(tuple(n for n in g if n in masters) for g in shapes) if states else (tuple(order),)
+    groups = (
+        tuple(tuple(n for n in g if n in masters) for g in shapes) if states else (tuple(order),)
+    )
     return DeepSpeedState(
-        "universal", 1, masters, moments, (_single(steps, zero),) * len(groups),
-        _extra(states, set(masters)) if states else {}, groups,
-        _counters(states) if states else {}, str(states.get("ds_version")) if states else "",
+        "universal",
+        1,
+        masters,
+        moments,
+        (_single(steps, zero),) * len(groups),
+        _extra(states, set(masters)) if states else {},
+        groups,
+        _counters(states) if states else {},
+        str(states.get("ds_version")) if states else "",
     )

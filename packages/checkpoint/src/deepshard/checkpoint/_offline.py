@@ -92,7 +92,9 @@ def _default_tag(source: Path, ds: DeepSpeedState) -> str:
     return f"global_step{steps}" if steps else source.name.removesuffix("_universal")
 
 
-def _bounds_flat(shapes: list[tuple[str, int]], world: int) -> dict[str, list[tuple[int, int, int]]]:
+def _bounds_flat(
+    shapes: list[tuple[str, int]], world: int
+) -> dict[str, list[tuple[int, int, int]]]:
     """Stages 1-2: ``(rank, start, stop)`` of every tensor in one flat buffer cut ``world`` ways."""
     total = sum(n for _, n in shapes)
     width = max(1, math.ceil(total / world))
@@ -110,17 +112,14 @@ def _bounds_flat(shapes: list[tuple[str, int]], world: int) -> dict[str, list[tu
 
 def _bounds_each(numel: int, world: int) -> list[tuple[int, int, int]]:
     width = max(1, math.ceil(numel / world))
-    return [
-        (r, r * width, min(numel, (r + 1) * width)) for r in range(world) if r * width < numel
-    ]
+    return [(r, r * width, min(numel, (r + 1) * width)) for r in range(world) if r * width < numel]
 
 
-def _layouts(
-    tensors: Mapping[str, Any], world: int, stage: int
-) -> dict[str, ShardMap | None]:
+def _layouts(tensors: Mapping[str, Any], world: int, stage: int) -> dict[str, ShardMap | None]:
     """Each key's target map (``None``: kept replicated)."""
     sharded = {
-        n: e["shard_map"] for n, e in tensors.items()
+        n: e["shard_map"]
+        for n, e in tensors.items()
         if n.startswith(_SHARDED_PREFIXES) and e["shard_map"]["global_shape"]
     }
     layouts: dict[str, ShardMap | None] = {n: None for n in tensors}
@@ -193,8 +192,16 @@ def reshard(
             _fill(source, meta, list(state.items()), rank)
             plan = plan_rank(list(state.items()), rank)
             job = _save._Job(
-                Members(None, rank, dp), root, tmp_dir, out_tag, plan,
-                dict(meta["metadata"]), True, None, None, 60.0,
+                Members(None, rank, dp),
+                root,
+                tmp_dir,
+                out_tag,
+                plan,
+                dict(meta["metadata"]),
+                True,
+                None,
+                None,
+                60.0,
             )
             _save._write_part(job)
             jobs.append(job)

@@ -115,14 +115,16 @@ def _summary(path: str, tag: str | None) -> dict[str, Any]:
         smap = entry["shard_map"]
         numel = math.prod(smap["global_shape"])
         ranks = sorted({int(h) for p in smap["pieces"] for h in p.get("holders", [p["rank"]])})
-        tensors.append({
-            "name": name,
-            "shape": smap["global_shape"],
-            "dtype": smap["dtype"],
-            "bytes": numel * sizes.get(smap["dtype"], 2),
-            "pieces": len(smap["pieces"]),
-            "ranks": ranks,
-        })
+        tensors.append(
+            {
+                "name": name,
+                "shape": smap["global_shape"],
+                "dtype": smap["dtype"],
+                "bytes": numel * sizes.get(smap["dtype"], 2),
+                "pieces": len(smap["pieces"]),
+                "ranks": ranks,
+            }
+        )
     engine = meta["metadata"].get("engine", {}) if isinstance(meta["metadata"], dict) else {}
     return {
         "path": str(tag_dir),
@@ -157,8 +159,12 @@ def _inspect(args: argparse.Namespace) -> int:
     for t in summary["tensors"]:
         ranks = ",".join(map(str, t["ranks"])) if len(t["ranks"]) <= 8 else f"{len(t['ranks'])}"
         table.add_row(
-            t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"],
-            _human(t["bytes"]), str(t["pieces"]), ranks,
+            t["name"],
+            "x".join(map(str, t["shape"])) or "scalar",
+            t["dtype"],
+            _human(t["bytes"]),
+            str(t["pieces"]),
+            ranks,
         )
     console.print(table)
     return 0
@@ -185,8 +191,13 @@ def _export(args: argparse.Namespace) -> int:
 
     with _progress("exporting") as step:
         files = export_weights(
-            args.dir, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-            tag=args.tag, config=args.config, progress=step,
+            args.dir,
+            args.out,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            tag=args.tag,
+            config=args.config,
+            progress=step,
         )
     print(f"wrote {len(files)} file(s) to {args.out} ({args.dtype})")
     return 0
@@ -196,7 +207,9 @@ def _reshard(args: argparse.Namespace) -> int:
     from deepshard.checkpoint._offline import reshard
 
     with _progress("resharding") as step:
-        path = reshard(args.dir, args.out, dp=args.dp, stage=args.stage, tag=args.tag, progress=step)
+        path = reshard(
+            args.dir, args.out, dp=args.dp, stage=args.stage, tag=args.tag, progress=step
+        )
     print(f"wrote {path} for {args.dp} rank(s) at ZeRO stage {args.stage}")
     return 0
 

@@ -129,14 +129,14 @@ def best(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def table(rows: dict[str, dict[str, Any]]) -> list[str]:
     """The figures, one row per competitor."""
     lines = [
-        "| competitor | save s | save GB/s | load s | load GB/s | on disk GB |",
+        "| competitor | save s | save GB/s | load s | load GB/s | on disk MB |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, row in rows.items():
         gb = row["bytes"] / 1e9
         lines.append(
-            f"| {name} | {row['save_s']:.3f} | {gb / row['save_s']:.3f} | {row['load_s']:.3f} "
-            f"| {gb / row['load_s']:.3f} | {gb:.3f} |"
+            f"| {name} | {row['save_s']:.4f} | {gb / row['save_s']:.3f} | {row['load_s']:.4f} "
+            f"| {gb / row['load_s']:.3f} | {row['bytes'] / 1e6:.3f} |"
         )
     return lines
 

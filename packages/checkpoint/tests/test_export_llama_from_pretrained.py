@@ -4,8 +4,9 @@ Two gloo ranks save a tiny ``LlamaForCausalLM``'s weights with ``deepshard.check
 each parameter cut in two flat halves (ZeRO stage-3 style ``module/<name>`` entries). The CLI
 exports them in bf16 with a small ``--max-shard-size``, so the weights are split across files
 with ``model.safetensors.index.json``. ``transformers`` loads the folder back and must give the
-same logits as the source model cast to bf16; ``safetensors.torch.load_file`` of the files must
-give the source weights in bf16.
+same logits as the source model loaded in bf16 by transformers from its own save_pretrained
+(and nearly those of the source cast with ``.to(bf16)``); ``safetensors.torch.load_file`` of
+the files must give the source weights in bf16.
 """
 
 from __future__ import annotations
@@ -87,12 +88,15 @@ def test_bf16_export_gives_the_source_logits(tmp_path: Path) -> None:
 
     exported = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
-    # The source model in bf16, built the way from_pretrained builds one (a model cast with
-    # .to(bf16) also casts the rotary inv_freq buffer, which from_pretrained keeps in fp32).
-    reference = transformers.LlamaForCausalLM._from_config(_config(), dtype=torch.bfloat16)
-    reference.load_state_dict(expected)
+    # The source model in bf16 as transformers itself loads it: saved by save_pretrained (fp32)
+    # and read with from_pretrained(dtype=bf16). (A model cast with .to(bf16) also casts the
+    # rotary inv_freq buffer, which from_pretrained keeps in fp32, so it differs in the last bit.)
+    source.save_pretrained(tmp_path / "source")
+    reference = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "source", dtype=torch.bfloat16
+    ).eval()
     with torch.no_grad():
-        want = reference.eval()(ids).logits
+        want = reference(ids).logits
         got = exported(ids).logits
         cast = source.to(torch.bfloat16)(ids).logits
     assert got.dtype == torch.bfloat16

@@ -1,5 +1,6 @@
 """`async_save=True` writes the same files as a synchronous save from a host snapshot, blocks
-the caller briefly, surfaces its errors at the next save, and is waited for at process exit."""
+the caller briefly, surfaces its errors at the next save, and is waited for at process exit
+(which reports a failure on stderr)."""
 
 from __future__ import annotations
 
@@ -88,8 +89,15 @@ def test_process_exit_waits_for_the_save(tmp_path: Path) -> None:
                 if point == "before_files":
                     time.sleep(1.0)
 
+        class Broken:
+            def reached(self, point, rank):
+                if point == "before_files":
+                    raise OSError("no space (injected)")
+
         save({{"w": torch.ones(1024, 1024)}}, {str(tmp_path)!r}, tag="t", async_save=True,
              hooks=Slow())
+        save({{"w": torch.ones(2)}}, {str(tmp_path / "bad")!r}, tag="t", async_save=True,
+             hooks=Broken())
         """
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -97,6 +105,7 @@ def test_process_exit_waits_for_the_save(tmp_path: Path) -> None:
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
+    assert "bad/t failed: no space (injected)" in done.stderr  # reported at exit
     assert (tmp_path / "latest").read_text().strip() == "t"
     meta = json.loads((tmp_path / "t" / "metadata.json").read_text())
     target = {"w": torch.zeros(1024, 1024)}

@@ -112,7 +112,7 @@ def test_reshard_to_three_ranks_at_stage_3(saved: Path, tmp_path: Path) -> None:
 
 
 def test_reshard_refuses_a_bad_stage(saved: Path, tmp_path: Path) -> None:
-    from deepshard.checkpoint._offline import reshard
+    from deepshard.checkpoint._convert import reshard
     from deepshard.interface.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="--stage 5"):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepshard.checkpoint import SAVE_POINTS, list_tags, load, save, verify
+from deepshard.checkpoint import SAVE_POINTS, ShardedTensor, list_tags, load, save, verify
+from deepshard.interface import ShardMap
 from deepshard.interface.errors import CheckpointError
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -110,3 +111,22 @@ def test_truncated_metadata_is_an_error(tmp_path: Path) -> None:
         load(tmp_path, {"w": torch.zeros(256, 256), "step": torch.tensor(0)})
     assert list_tags(tmp_path) == []
     assert "truncated" in verify(tmp_path).problems[0]
+
+
+def test_load_checks_the_blocks_it_reads(tmp_path: Path) -> None:
+    # Two 16 MiB tensors: `b` lies in other 16 MiB hashed blocks than the start of `a`.
+    n = 4 << 20
+    save({"a": torch.ones(n), "b": torch.full((n,), 2.0)}, tmp_path, tag="t")
+    path = _data_file(tmp_path)
+    with open(path, "r+b") as handle:  # flip one byte near the end: inside `b`
+        handle.seek(-10, os.SEEK_END)
+        byte = handle.read(1)
+        handle.seek(-10, os.SEEK_END)
+        handle.write(bytes([byte[0] ^ 0x80]))
+    head = {"a": torch.zeros(1 << 20)}
+    rows = ShardMap.contiguous_split((n,), "float32", dim=0, sizes=[1 << 20, n - (1 << 20)])
+    load(tmp_path, {"a": ShardedTensor(head["a"], rows, 0)}, strict=False)
+    assert torch.equal(head["a"], torch.ones(1 << 20))  # its blocks are intact
+    with pytest.raises(CheckpointError, match=rf"{path.name} does not match its SHA-256"):
+        load(tmp_path, {"b": torch.zeros(n)}, strict=False)
+    assert not verify(tmp_path).ok

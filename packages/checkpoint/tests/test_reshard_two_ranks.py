@@ -1,5 +1,6 @@
-"""Two gloo ranks save a ZeRO-like flat layout; it loads at world 2 in other layouts and at
-world 1, replicated and sharded swap, and a rank failing mid-save fails the save on both ranks.
+"""Two gloo ranks save a ZeRO-like flat layout (also in background: the same files); it loads
+at world 2 in other layouts and at world 1, replicated and sharded swap, and a rank failing
+mid-save (or passing another tag) fails the save on both ranks.
 
 The full tensors are made from a seed in the test; each rank's expected storage is cut from
 them with plain slicing of the partitioned buffer (not with the shard-map arithmetic).
@@ -71,6 +72,10 @@ def _ranks(mesh: Any, root: Path) -> dict[str, Any]:
     group, rank = mesh["dp"], mesh.get_rank()
     full = _full()
     save(_zero_state(full, rank, 2), root, tag="w2", group=group, metadata={"world": 2})
+    pending = save(
+        _zero_state(full, rank, 2), root / "async", tag="w2", group=group, async_save=True
+    )
+    pending.wait()
     out: dict[str, Any] = {}
     # World 2, other layouts: `a` split on dim 1 unevenly, `b` replicated on both ranks.
     columns = ShardMap.contiguous_split((5, 7), "float32", dim=1, sizes=[3, 4])
@@ -84,6 +89,10 @@ def _ranks(mesh: Any, root: Path) -> dict[str, Any]:
         strict=False,
     )
     out.update(a=a_local, b=b_whole, step=step, unexpected=result.unexpected)
+    # The saved layout again: each rank reads exactly its own partition's bytes.
+    same = _zero_state({k: torch.zeros_like(v) for k, v in full.items()}, rank, 2)
+    out["same"] = load(root, same, group=group).bytes_read
+    out["same_masters"] = same["a.master"].local
     # Replicated -> sharded: save `b` whole from both ranks, load it as 2 row shards.
     save({"b": full["b"]}, root / "rep", tag="t", group=group)
     rows = ShardMap.contiguous_split((3, 4), "float32", dim=0, sizes=[2, 1])
@@ -95,6 +104,10 @@ def _ranks(mesh: Any, root: Path) -> dict[str, Any]:
         save({"b": full["b"]}, root, tag="broken", group=group, hooks=_FailAt("mid_file", 1))
     except CheckpointError as exc:
         out["failure"] = str(exc)
+    try:
+        save({"b": full["b"]}, root, tag=f"step{rank}", group=group)
+    except CheckpointError as exc:
+        out["tags"] = str(exc)
     return out
 
 
@@ -110,8 +123,15 @@ def test_two_ranks_reshard_and_fail_together(tmp_path: Path) -> None:
         rows = slice(0, 2) if rank == 0 else slice(2, 3)
         assert torch.equal(out["b_rows"], full["b"][rows].reshape(-1))
         assert "rank 1" in out["failure"] and "injected failure at mid_file" in out["failure"]
+        assert "different tags ['step0', 'step1']" in out["tags"]
+        assert torch.equal(out["same_masters"], _partition(full, rank, 2))
+        held = {0: 24 + 24, 1: (35 - 24) + 12 + (35 - 24) + 12}[rank]  # masters + moments
+        assert out["same"] == held * 4 + 8  # + the int64 `step`, which every rank reads whole
     assert list_tags(root) == ["w2"] and (root / "latest").read_text().strip() == "w2"
+    assert not list(root.glob(".tmp-*"))  # failed saves leave nothing behind
     assert read_metadata(root)["metadata"] == {"world": 2}
+    for name in ("rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"):
+        assert (root / "async" / "w2" / name).read_bytes() == (root / "w2" / name).read_bytes()
 
     # World 1: consolidated, and into a one-rank ZeRO layout with another alignment.
     whole = load_state_dict_from_checkpoint(root)

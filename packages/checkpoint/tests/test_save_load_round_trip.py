@@ -16,6 +16,7 @@ from deepshard.checkpoint import (
     load_state_dict_from_checkpoint,
     read_metadata,
     save,
+    verify,
 )
 from deepshard.interface import ShardMap
 from deepshard.interface.errors import CheckpointError
@@ -153,3 +154,31 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="do not cover the tensor once"):
         save({"x": ShardedTensor(torch.ones(2), half, 0)}, tmp_path, tag="t")
     assert list_tags(tmp_path) == []
+
+
+def test_module_parameters_load_in_place(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source, fresh = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    save(dict(source.named_parameters()), tmp_path, tag="t")
+    weight = fresh.weight
+    load(tmp_path, dict(fresh.named_parameters()))
+    assert fresh.weight is weight and weight.requires_grad and weight.grad_fn is None
+    pairs = zip(source.parameters(), fresh.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_size_bounded_files(tmp_path: Path) -> None:
+    state = {f"t{i}": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each
+    state["big"] = torch.arange(300.0)  # 1200 bytes: alone in its file
+    save(state, tmp_path, tag="t", max_file_bytes=900)
+    files = sorted(p.name for p in (tmp_path / "t").glob("*.safetensors"))
+    assert files == [f"rank-00000-of-00001-part-{i:05d}.safetensors" for i in range(4)]
+    meta = read_metadata(tmp_path)
+    assert meta["tensors"]["big"]["files"] == {"0": files[3]}
+    assert {meta["tensors"][f"t{i}"]["files"]["0"] for i in (0, 1)} == {files[0]}
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(tmp_path, target)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert verify(tmp_path).ok
+    with pytest.raises(CheckpointError, match="max_file_bytes=0"):
+        save(state, tmp_path, tag="u", max_file_bytes=0)

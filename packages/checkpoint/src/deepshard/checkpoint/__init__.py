@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from deepshard.checkpoint._client_state import join_client_state, split_client_state
+    from deepshard.checkpoint._handle import SaveHandle
     from deepshard.checkpoint._layout import list_tags, read_metadata
     from deepshard.checkpoint._load import load, load_state_dict_from_checkpoint
-    from deepshard.checkpoint._save import SaveHandle, save
+    from deepshard.checkpoint._offline import save_resharded
+    from deepshard.checkpoint._save import save
     from deepshard.checkpoint._types import (
         SAVE_POINTS,
         LoadResult,
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "SAVE_POINTS": "_types",
     "LoadResult": "_types",
-    "SaveHandle": "_save",
+    "SaveHandle": "_handle",
     "SaveHooks": "_types",
     "SavePoint": "_types",
     "ShardedTensor": "_types",
@@ -43,6 +45,7 @@ _HOMES = {
     "load_state_dict_from_checkpoint": "_load",
     "read_metadata": "_layout",
     "save": "_save",
+    "save_resharded": "_offline",
     "split_client_state": "_client_state",
     "verify": "_verify",
 }
@@ -75,6 +78,7 @@ __all__ = [
     "load_state_dict_from_checkpoint",
     "read_metadata",
     "save",
+    "save_resharded",
     "split_client_state",
     "verify",
 ]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from deepshard.comm import Group, resolve_group
-from deepshard.interface.errors import CheckpointError
+from deepshard.interface.errors import CheckpointError, CommError
 
 __all__ = ["Members", "all_gather_json", "members_of"]
 
@@ -41,7 +41,10 @@ def members_of(group: Group | None) -> Members:
     """The members of ``group``: the world by default, or this process alone without one."""
     if group is None and not dist.is_initialized():
         return Members(None, 0, 1)
-    pg = resolve_group(group)
+    try:
+        pg = resolve_group(group)
+    except CommError as exc:
+        raise CheckpointError(f"group: {exc}") from exc
     return Members(pg, dist.get_rank(pg), dist.get_world_size(pg))
 
 

@@ -7,7 +7,8 @@
       <tag>/
         metadata.json             format version, versions, the caller's metadata, files, maps
         rank-00000-of-00002.safetensors
-        rank-00001-of-00002.safetensors
+        rank-00001-of-00002.safetensors   (or rank-00001-of-00002-part-00000.safetensors, ...
+                                           when save(max_file_bytes=) splits a rank's data)
       .tmp-<tag>-<token>/         a save in progress (renamed to <tag> when complete)
 
 A tag directory exists only once it is complete: saves write into a hidden temporary
@@ -61,9 +62,11 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def data_file_name(rank: int, world_size: int) -> str:
-    """The safetensors file of ``rank``."""
-    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+def data_file_name(rank: int, world_size: int, part: int | None = None) -> str:
+    """The safetensors file of ``rank`` (its ``part``-th when its data is split by size)."""
+    if part is None:
+        return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+    return f"rank-{rank:05d}-of-{world_size:05d}-part-{part:05d}.safetensors"
 
 
 def read_latest(load_dir: Path) -> str | None:

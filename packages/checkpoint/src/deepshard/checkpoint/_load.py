@@ -1,8 +1,9 @@
 """``load`` into live shards (resharding on the fly) and consolidated loading in one process.
 
-A load first checks the files: every rank checks the size of each file it will open, and the
-ranks share the SHA-256 checks (file ``i`` by rank ``i % W``), so each file is hashed once per
-load; then the ranks agree that all checks passed before anything is written into the caller's
+A load first checks the files: every rank checks the size of every file, plans its copies,
+and hashes (on a thread pool) the 16 MiB blocks holding the bytes it will read, against the
+per-block SHA-256 the save recorded, so it verifies what it uses without reading the rest;
+then the ranks agree that all checks passed before anything is written into the caller's
 tensors. Filling is `_reshard`'s copies, read with ``safe_open(...).get_slice``, which maps the
 file and reads only the requested range. A final exchange makes an error on one rank an error
 on all of them.
@@ -13,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +23,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from deepshard.checkpoint._exchange import Members, all_gather_json, members_of
+from deepshard.checkpoint._handle import SaveHandle
 from deepshard.checkpoint._layout import read_metadata, resolve_tag_dir, tag_dir_of
-from deepshard.checkpoint._reshard import apply_copies, plan_copies
-from deepshard.checkpoint._safetensors_io import sha256_of
-from deepshard.checkpoint._save import SaveHandle
+from deepshard.checkpoint._reshard import Copy, apply_copies, plan_copies, source_ranges
+from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, block_sha256, read_header, sha256_of
 from deepshard.checkpoint._types import LoadResult, ShardedTensor, StateValue, state_items
 from deepshard.comm import Group
 from deepshard.interface import ShardMap, ShardPiece
@@ -114,26 +117,83 @@ def _keys(
     return missing, unexpected
 
 
-def _check_files(tag_dir: Path, meta: Mapping[str, Any], members: Members, verify: bool) -> None:
-    for index, (file, expected) in enumerate(sorted(meta["files"].items())):
-        mine = index % members.world_size == members.rank
-        check_file(tag_dir / file, expected, checksum=verify and mine)
+@dataclass(frozen=True)
+class _Task:
+    """The copies filling one tensor of ``like``."""
+
+    name: str
+    dest: torch.Tensor
+    copies: list[Copy]
+    files: dict[str, str]
+    itemsize: int
 
 
-def _fill(
-    tag_dir: Path, meta: Mapping[str, Any], items: list[tuple[str, StateValue]], rank: int
-) -> None:
-    with contextlib.ExitStack() as stack:
+def _plan(meta: Mapping[str, Any], items: list[tuple[str, StateValue]], rank: int) -> list[_Task]:
+    tasks = []
+    for name, value in items:
+        entry = meta["tensors"].get(name)
+        if entry is None:
+            continue
+        dest, target, target_rank, linear = _target(name, value, rank)
+        saved = ShardMap.from_json(entry["shard_map"])
+        copies = plan_copies(name, saved, target, target_rank, linear)
+        itemsize = torch_dtype(saved.dtype).itemsize
+        tasks.append(_Task(name, dest, copies, dict(entry["files"]), itemsize))
+    return tasks
+
+
+def _needed_blocks(tag_dir: Path, tasks: list[_Task]) -> dict[str, set[int]]:
+    """The hashed blocks of each file holding bytes the ``tasks`` read (their bounding ranges)."""
+    headers: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}
+    needed: dict[str, set[int]] = {}
+    for task in tasks:
+        for rank, (lo, hi) in source_ranges(task.copies).items():
+            file = task.files.get(str(rank))
+            if file is None:
+                raise CheckpointError(f"{task.name}: the metadata names no file for rank {rank}")
+            if file not in headers:
+                headers[file] = read_header(tag_dir / file)
+            data_start, spans = headers[file]
+            if task.name not in spans:
+                raise CheckpointError(f"{tag_dir / file} has no entry {task.name!r}; it is damaged")
+            first = data_start + spans[task.name][0] + lo * task.itemsize
+            last = data_start + spans[task.name][0] + hi * task.itemsize - 1
+            needed.setdefault(file, set()).update(
+                range(first // BLOCK_BYTES, last // BLOCK_BYTES + 1)
+            )
+    return needed
+
+
+def _check_blocks(tag_dir: Path, meta: Mapping[str, Any], needed: dict[str, set[int]]) -> None:
+    jobs = [(file, index) for file, blocks in sorted(needed.items()) for index in sorted(blocks)]
+    workers = max(1, min(8, os.cpu_count() or 1, len(jobs)))
+    with ThreadPoolExecutor(workers, "deepshard-checkpoint-verify") as pool:
+        digests = pool.map(lambda job: block_sha256(tag_dir / job[0], job[1]), jobs)
+        for (file, index), digest in zip(jobs, digests, strict=True):
+            expected = meta["files"][file]["block_sha256"]
+            if index >= len(expected) or digest != expected[index]:
+                start = index * BLOCK_BYTES
+                raise CheckpointError(
+                    f"{tag_dir / file} does not match its SHA-256 in the metadata (bytes "
+                    f"[{start}, {start + BLOCK_BYTES})): it is corrupt or was modified; restore "
+                    "it or load another tag"
+                )
+
+
+def _check_files(tag_dir: Path, meta: Mapping[str, Any], *, checksum: bool) -> None:
+    for file, expected in sorted(meta["files"].items()):
+        check_file(tag_dir / file, expected, checksum=checksum)
+
+
+def _apply(tag_dir: Path, tasks: list[_Task]) -> int:
+    """Perform the tasks' copies; return the number of tensor bytes read."""
+    bytes_read = 0
+    with contextlib.ExitStack() as stack, torch.no_grad():
         reader = _Reader(tag_dir, stack)
-        for name, value in items:
-            entry = meta["tensors"].get(name)
-            if entry is None:
-                continue
-            dest, target, target_rank, linear = _target(name, value, rank)
-            saved = ShardMap.from_json(entry["shard_map"])
-            copies = plan_copies(name, saved, target, target_rank, linear)
-            with torch.no_grad():
-                apply_copies(dest, copies, reader.reader(name, entry["files"]))
+        for task in tasks:
+            elements = apply_copies(task.dest, task.copies, reader.reader(task.name, task.files))
+            bytes_read += elements * task.itemsize
+    return bytes_read
 
 
 def _agree(members: Members, error: str | None, what: str, timeout_s: float) -> None:
@@ -172,7 +232,8 @@ def load(
         tag: The tag to read; ``None`` reads the one ``latest`` names.
         group: The ranks loading; the world by default, none without ``torch.distributed``.
         strict: Refuse keys present on one side only.
-        verify_checksums: Check every file's SHA-256 (shared between the ranks) first.
+        verify_checksums: Check the SHA-256 of every block of the files this rank reads
+            before filling anything (every file's size is always checked).
         after: A background save to wait for first (its error is raised here).
         timeout_s: Longest wait for the other ranks.
 
@@ -189,13 +250,20 @@ def load(
         found["dir"] = resolve_tag_dir(load_dir, tag)
         found["meta"] = read_metadata(found["dir"])
         found["keys"] = _keys(found["meta"], [n for n, _ in items], strict)
-        _check_files(found["dir"], found["meta"], members, verify_checksums)
+        _check_files(found["dir"], found["meta"], checksum=False)
+        found["tasks"] = _plan(found["meta"], items, members.rank)
+        if verify_checksums:
+            _check_blocks(found["dir"], found["meta"], _needed_blocks(found["dir"], found["tasks"]))
 
     _agree(members, _attempt(check), "the checkpoint checks", timeout_s)
-    error = _attempt(lambda: _fill(found["dir"], found["meta"], items, members.rank))
-    _agree(members, error, "the end of loading", timeout_s)
+
+    def fill() -> None:
+        found["read"] = _apply(found["dir"], found["tasks"])
+
+    _agree(members, _attempt(fill), "the end of loading", timeout_s)
     missing, unexpected = found["keys"]
-    return LoadResult(found["dir"], dict(found["meta"]["metadata"]), missing, unexpected)
+    metadata = dict(found["meta"]["metadata"])
+    return LoadResult(found["dir"], metadata, missing, unexpected, found["read"])
 
 
 def load_state_dict_from_checkpoint(
@@ -210,10 +278,10 @@ def load_state_dict_from_checkpoint(
     """
     tag_dir = tag_dir_of(path_or_dir, tag)
     meta = read_metadata(tag_dir)
-    _check_files(tag_dir, meta, Members(None, 0, 1), verify_checksums)
+    _check_files(tag_dir, meta, checksum=verify_checksums)
     out: dict[str, torch.Tensor] = {}
     for name, entry in sorted(meta["tensors"].items()):
         smap = entry["shard_map"]
         out[name] = torch.empty(tuple(smap["global_shape"]), dtype=torch_dtype(smap["dtype"]))
-    _fill(tag_dir, meta, list(out.items()), 0)
+    _apply(tag_dir, _plan(meta, list(out.items()), 0))
     return out

@@ -1,211 +1,93 @@
-"""Offline conversions in one process: DeepSpeed import and resharding to N ranks' files.
+"""``save_resharded``: write, from one process, the checkpoint a world of N ranks would write.
 
-``reshard`` writes the checkpoint ``N`` data-parallel ranks at a ZeRO stage would write, without
-starting them: for each target rank it builds that rank's `ShardedTensor` layout, fills it with
-the loader's own code (`_load._fill`, the path every ``load`` reshards through) and writes the
-rank's file with the saver's own steps (`_save._write_part`, then `_save._publish_tag` merges
-the reports and publishes atomically). Only ``module/`` and ``optimizer/`` tensors with at
-least one dimension are sharded; scalars, RNG rows and the rest stay as saved.
-
-Layouts written (what a ZeRO run of that stage holds, each rank's pieces from local offset 0):
-stage 0 replicates; stages 1-2 cut each kind's tensors, concatenated in key order, into ``N``
-equal flat partitions (so a rank may hold the tail of one tensor and the head of the next);
-stage 3 cuts every tensor on its own into ``ceil(numel / N)``-element pieces.
+Offline conversion (``ds-checkpoint reshard``, importing another framework's checkpoint) has
+whole tensors and wants a checkpoint laid out for N ranks. Each rank's local storage is cut
+from the whole tensor with the same copies a load would make (a whole-tensor map read into
+the target map's pieces of that rank); then each rank's part is written exactly as that rank
+would write it during a save, and the metadata and ``latest`` are published as rank 0 does.
+Loading needs none of this (it reshards any checkpoint); it only makes the files match a
+layout, e.g. so that each rank of the new world reads one file.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from deepshard.checkpoint import _publish, _save
-from deepshard.checkpoint._deepspeed_import import MOMENTS, DeepSpeedState, read_deepspeed
 from deepshard.checkpoint._exchange import Members
-from deepshard.checkpoint._layout import TMP_PREFIX, check_tag, read_metadata, tag_dir_of
-from deepshard.checkpoint._load import _fill, torch_dtype
+from deepshard.checkpoint._layout import TMP_PREFIX, check_tag
 from deepshard.checkpoint._plan import plan_rank
-from deepshard.checkpoint._types import ShardedTensor, StateValue
-from deepshard.interface import ShardMap
+from deepshard.checkpoint._reshard import apply_copies, plan_copies
+from deepshard.checkpoint._save import _check_metadata, _Job, _publish_tag, _write_part
+from deepshard.checkpoint._types import JSONValue, ShardedTensor
+from deepshard.interface import ShardMap, ShardPiece
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["deepspeed_state_dict", "import_deepspeed", "reshard"]
-
-Progress = Callable[[str], None]
-_SHARDED_PREFIXES = ("module/", "optimizer/")
+__all__ = ["save_resharded"]
 
 
-def deepspeed_state_dict(ds: DeepSpeedState) -> dict[str, torch.Tensor]:
-    """The engine's checkpoint keys for a DeepSpeed state (``module/<name>`` is the fp32 master,
-    ``optimizer/<name>/<moment>``, ``optimizer/param_groups.<g>/step``)."""
-    state: dict[str, torch.Tensor] = {}
-    for name, master in ds.masters.items():
-        state[f"module/{name}"] = master
-        for moment in MOMENTS:
-            state[f"optimizer/{name}/{moment}"] = ds.moments[moment][name]
-    for name, tensor in ds.extra.items():
-        state[f"module/{name}"] = tensor
-    for group, step in enumerate(ds.steps):
-        state[f"optimizer/param_groups.{group}/step"] = torch.tensor(step, dtype=torch.float32)
-    return state
+def _local_of(name: str, full: torch.Tensor, smap: ShardMap, rank: int) -> torch.Tensor:
+    shape = tuple(full.shape)
+    whole = ShardMap(shape, smap.dtype, (ShardPiece(0, tuple(0 for _ in shape), shape),))
+    size = max((p.local_offset + p.numel for p in smap.pieces_of(rank)), default=0)
+    local = torch.zeros(size, dtype=full.dtype)
+    flat = full.detach().reshape(-1)
+    copies = plan_copies(name, whole, smap, rank, linear=True)
+    apply_copies(local, copies, lambda _rank, start, stop: flat[start:stop])
+    return local
 
 
-def import_deepspeed(
-    ds_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
+def save_resharded(
+    state: Mapping[str, torch.Tensor],
+    maps: Mapping[str, ShardMap],
+    save_dir: str | os.PathLike[str],
     *,
-    tag: str | None = None,
-    out_tag: str | None = None,
-    progress: Progress | None = None,
+    tag: str,
+    world_size: int,
+    metadata: Mapping[str, JSONValue] | None = None,
+    save_latest: bool = True,
 ) -> Path:
-    """Convert a DeepSpeed checkpoint into a DeepShard one (one process, no process group).
+    """Write whole tensors as a ``world_size``-rank checkpoint laid out by ``maps``.
+
+    Args:
+        state: Whole tensors; those without an entry in ``maps`` are saved replicated.
+        maps: The layout of the sharded tensors (ranks ``0 .. world_size - 1``).
+        save_dir: The checkpoint directory.
+        tag: The new tag.
+        world_size: The number of rank files to write.
+        metadata: JSON-serialisable values for ``metadata.json``.
+        save_latest: Point ``latest`` at the new tag.
 
     Returns:
-        The written tag directory (``out_tag``, by default the DeepSpeed tag's name).
+        The new tag directory.
     """
-    ds = read_deepspeed(ds_dir, tag, progress=progress)
-    source = Path(ds_dir)
-    name = out_tag or (tag if tag is not None else _default_tag(source, ds))
-    metadata: dict[str, Any] = {
-        "engine": {**ds.counters, "param_groups": [list(g) for g in ds.groups]},
-        "imported_from": {
-            "format": "deepspeed",
-            "layout": ds.layout,
-            "ds_version": ds.ds_version,
-            "dp_world_size": ds.dp_world_size,
-        },
-    }
-    handle = _save.save(deepspeed_state_dict(ds), out_dir, tag=check_tag(name), metadata=metadata)
-    return handle.wait()
-
-
-def _default_tag(source: Path, ds: DeepSpeedState) -> str:
-    latest = source / "latest"
-    if latest.is_file():
-        return latest.read_text().strip()
-    steps = ds.counters.get("global_steps")
-    return f"global_step{steps}" if steps else source.name.removesuffix("_universal")
-
-
-def _bounds_flat(
-    shapes: list[tuple[str, int]], world: int
-) -> dict[str, list[tuple[int, int, int]]]:
-    """Stages 1-2: ``(rank, start, stop)`` of every tensor in one flat buffer cut ``world`` ways."""
-    total = sum(n for _, n in shapes)
-    width = max(1, math.ceil(total / world))
-    out: dict[str, list[tuple[int, int, int]]] = {}
-    offset = 0
-    for name, numel in shapes:
-        out[name] = [
-            (r, max(lo, offset) - offset, min(lo + width, offset + numel) - offset)
-            for r, lo in ((r, r * width) for r in range(world))
-            if max(lo, offset) < min(lo + width, offset + numel)
-        ]
-        offset += numel
-    return out
-
-
-def _bounds_each(numel: int, world: int) -> list[tuple[int, int, int]]:
-    width = max(1, math.ceil(numel / world))
-    return [(r, r * width, min(numel, (r + 1) * width)) for r in range(world) if r * width < numel]
-
-
-def _layouts(tensors: Mapping[str, Any], world: int, stage: int) -> dict[str, ShardMap | None]:
-    """Each key's target map (``None``: kept replicated)."""
-    sharded = {
-        n: e["shard_map"]
-        for n, e in tensors.items()
-        if n.startswith(_SHARDED_PREFIXES) and e["shard_map"]["global_shape"]
-    }
-    layouts: dict[str, ShardMap | None] = {n: None for n in tensors}
-    if stage == 0 or world == 1:
-        return layouts
-    kinds: dict[str, list[tuple[str, int]]] = {}
-    for name, smap in sharded.items():
-        kind = name.rsplit("/", 1)[1] if name.startswith("optimizer/") else "module"
-        kinds.setdefault(kind, []).append((name, math.prod(smap["global_shape"])))
-    for members in kinds.values():
-        flat = _bounds_flat(members, world) if stage in (1, 2) else None
-        for name, numel in members:
-            bounds = flat[name] if flat is not None else _bounds_each(numel, world)
-            smap = sharded[name]
-            layouts[name] = ShardMap.flat_partition(
-                smap["global_shape"], smap["dtype"], bounds=bounds
-            )
-    return layouts
-
-
-def _rank_state(
-    tensors: Mapping[str, Any], layouts: Mapping[str, ShardMap | None], rank: int
-) -> dict[str, StateValue]:
-    state: dict[str, StateValue] = {}
-    for name, entry in tensors.items():
-        smap = entry["shard_map"]
-        dtype = torch_dtype(smap["dtype"])
-        target = layouts[name]
-        if target is None:
-            state[name] = torch.empty(tuple(smap["global_shape"]), dtype=dtype)
-            continue
-        numel = sum(p.numel for p in target.pieces_of(rank))
-        linear = not name.startswith("optimizer/")
-        state[name] = ShardedTensor(torch.empty(numel, dtype=dtype), target, rank, linear=linear)
-    return state
-
-
-def reshard(
-    path: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    dp: int,
-    stage: int = 2,
-    tag: str | None = None,
-    progress: Progress | None = None,
-) -> Path:
-    """Write ``path``'s checkpoint as ``dp`` ranks at ZeRO ``stage`` would hold it.
-
-    Raises:
-        CheckpointError: A bad ``dp``/``stage``, or a damaged source checkpoint.
-    """
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise CheckpointError(f"--dp {dp!r}: the data-parallel size must be an int >= 1")
-    if stage not in (0, 1, 2, 3):
-        raise CheckpointError(f"--stage {stage!r}: the ZeRO stage must be 0, 1, 2 or 3")
-    source = tag_dir_of(path, tag)
-    meta = read_metadata(source)
-    layouts = _layouts(meta["tensors"], dp, stage)
-    root = Path(out_dir)
+    tag = check_tag(tag)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise CheckpointError(f"world_size must be an int >= 1, got {world_size!r}")
+    unknown = sorted(set(maps) - set(state))
+    if unknown:
+        raise CheckpointError(f"maps name tensors the state lacks: {unknown[:8]}")
+    document = _check_metadata(metadata)
+    root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
-    out_tag = check_tag(str(meta["tag"]))
-    tmp_dir = root / f"{TMP_PREFIX}{out_tag}-{uuid.uuid4().hex[:12]}"
+    tmp_dir = root / f"{TMP_PREFIX}{tag}-{uuid.uuid4().hex[:12]}"
     tmp_dir.mkdir()
     jobs = []
-    try:
-        for rank in range(dp):
-            if progress is not None:
-                progress(f"rank {rank} of {dp}")
-            state = _rank_state(meta["tensors"], layouts, rank)
-            _fill(source, meta, list(state.items()), rank)
-            plan = plan_rank(list(state.items()), rank)
-            job = _save._Job(
-                Members(None, rank, dp),
-                root,
-                tmp_dir,
-                out_tag,
-                plan,
-                dict(meta["metadata"]),
-                True,
-                None,
-                None,
-                60.0,
-            )
-            _save._write_part(job)
-            jobs.append(job)
-        return _save._publish_tag(jobs[0])
-    except BaseException:
-        _publish.remove_tree(tmp_dir)
-        raise
+    for rank in range(world_size):
+        items: list[tuple[str, torch.Tensor | ShardedTensor]] = []
+        for name, tensor in state.items():
+            smap = maps.get(name)
+            if smap is None:
+                items.append((name, tensor))
+            else:
+                items.append((name, ShardedTensor(_local_of(name, tensor, smap, rank), smap, rank)))
+        plan = plan_rank(items, rank)
+        members = Members(None, rank, world_size)
+        jobs.append(_Job(members, root, tmp_dir, tag, plan, document, save_latest, None, None, 1.0))
+        _write_part(jobs[-1])
+    return _publish_tag(replace(jobs[0], timeout_s=0.0))

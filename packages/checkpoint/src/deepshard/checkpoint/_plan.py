@@ -11,7 +11,7 @@ and checks that together they cover every tensor exactly once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -106,8 +106,8 @@ def plan_rank(items: Sequence[tuple[str, torch.Tensor | ShardedTensor]], rank: i
 def merge_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """The metadata ``tensors`` section from every rank's report; checks shapes and coverage.
 
-    Each report has ``rank``, ``file`` (its data file), ``shapes`` and ``pieces`` (as
-    `RankPlan`, JSON).
+    Each report has ``rank``, ``entry_file`` (the data file of each entry it wrote),
+    ``shapes`` and ``pieces`` (as `RankPlan`, JSON).
     """
     shapes: dict[str, tuple[list[int], str]] = {}
     pieces: dict[str, list[ShardPiece]] = {}
@@ -123,7 +123,7 @@ def merge_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, A
                 )
         for name, saved in report["pieces"].items():
             pieces.setdefault(name, []).extend(ShardPiece.from_json(p) for p in saved)
-            files.setdefault(name, {})[str(report["rank"])] = report["file"]
+            files.setdefault(name, {})[str(report["rank"])] = report["entry_file"][name]
     tensors: dict[str, dict[str, Any]] = {}
     for name, (shape, dtype) in sorted(shapes.items()):
         smap = ShardMap(tuple(shape), dtype, tuple(pieces.get(name, ())))
@@ -136,8 +136,3 @@ def merge_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, A
             ) from exc
         tensors[name] = {"shard_map": smap.to_json(), "files": files.get(name, {})}
     return tensors
-
-
-def with_rank(piece: ShardPiece, rank: int) -> ShardPiece:
-    """``piece`` held by ``rank`` alone."""
-    return replace(piece, rank=rank, replicas=())

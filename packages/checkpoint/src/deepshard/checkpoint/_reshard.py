@@ -21,7 +21,7 @@ import torch
 from deepshard.interface import ShardMap
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["Copy", "apply_copies", "plan_copies"]
+__all__ = ["Copy", "apply_copies", "plan_copies", "source_ranges"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,15 @@ def _index(starts: list[int], lengths: list[int]) -> torch.Tensor:
     offsets = torch.cumsum(lengths_t, 0) - lengths_t
     shift = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64) - offsets, lengths_t)
     return shift + torch.arange(int(lengths_t.sum()), dtype=torch.int64)
+
+
+def source_ranges(copies: list[Copy]) -> dict[int, tuple[int, int]]:
+    """For each saved rank, the ``[lo, hi)`` element range of its entry the copies touch."""
+    ranges: dict[int, tuple[int, int]] = {}
+    for c in copies:
+        lo, hi = ranges.get(c.saved_rank, (c.source, c.source + c.length))
+        ranges[c.saved_rank] = (min(lo, c.source), max(hi, c.source + c.length))
+    return ranges
 
 
 def apply_copies(

@@ -17,15 +17,24 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from deepshard.checkpoint._hash_threads import HashThreads
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["DTYPE_CODES", "FileDigest", "sha256_of", "write_safetensors"]
+__all__ = [
+    "BLOCK_BYTES",
+    "DTYPE_CODES",
+    "FileDigest",
+    "block_sha256",
+    "read_header",
+    "sha256_of",
+    "write_safetensors",
+]
 
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -43,7 +52,9 @@ DTYPE_CODES: dict[torch.dtype, str] = {
 }
 """The safetensors name of each dtype a checkpoint can hold."""
 
-_CHUNK = 64 << 20  # bytes per write: large enough for disk speed, small enough to interleave
+_CHUNK = 16 << 20  # bytes per write: large enough for disk speed, small enough to overlap
+BLOCK_BYTES = 16 << 20
+"""Size of the independently hashed blocks of a data file."""
 
 
 class FileDigest(NamedTuple):
@@ -52,10 +63,13 @@ class FileDigest(NamedTuple):
     Attributes:
         sha256: The hex digest of the whole file.
         size: Its length in bytes.
+        blocks: The SHA-256 of each `BLOCK_BYTES` block from the file's start (the last may
+            be shorter), so that a reader can check just the blocks it reads.
     """
 
     sha256: str
     size: int
+    blocks: tuple[str, ...] = ()
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -87,52 +101,93 @@ def _header(entries: Sequence[tuple[str, torch.Tensor]]) -> bytes:
     return text + b" " * (-len(text) % 8)
 
 
+class _BlockHasher:
+    """SHA-256 of each ``BLOCK_BYTES`` block of a file, fed in arbitrary pieces."""
+
+    def __init__(self) -> None:
+        self.digests: list[str] = []
+        self._current = hashlib.sha256()
+        self._filled = 0
+
+    def feed(self, data: memoryview | bytes) -> None:
+        view = memoryview(data)
+        while len(view):
+            take = min(len(view), BLOCK_BYTES - self._filled)
+            self._current.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == BLOCK_BYTES:
+                self.finish()
+
+    def finish(self) -> list[str]:
+        if self._filled:
+            self.digests.append(self._current.hexdigest())
+            self._current, self._filled = hashlib.sha256(), 0
+        return self.digests
+
+
+def _chunks(entries: Sequence[tuple[str, torch.Tensor]], half: int) -> Iterator[memoryview | None]:
+    """The data section in chunks of at most ``_CHUNK`` bytes; ``None`` once ``half`` is reached."""
+    written = 0
+    if half == 0:
+        yield None
+    for _, tensor in entries:
+        view = _bytes_of(tensor)
+        start = 0
+        while start < len(view):
+            # Stop a chunk at the half-way byte so the hook sees a genuinely partial file.
+            stop = min(start + _CHUNK, len(view))
+            if written < half < written + stop - start:
+                stop = start + half - written
+            yield view[start:stop]
+            written += stop - start
+            start = stop
+            if written == half:
+                yield None
+
+
 def write_safetensors(
     path: Path,
     entries: Sequence[tuple[str, torch.Tensor]],
     *,
     halfway: Callable[[], None] | None = None,
+    hashers: HashThreads | None = None,
 ) -> FileDigest:
-    """Write CPU, contiguous ``entries`` to ``path``, fsync it, and return its digest.
+    """Write CPU, contiguous ``entries`` to ``path``, fsync it, and return its digests.
+
+    With ``hashers``, two helper threads hash each chunk (the whole file, and its blocks)
+    while this thread writes it; hashlib and file writes release the GIL, so the three overlap.
 
     Args:
         path: The file to create (it must not exist).
         entries: ``(key, tensor)`` pairs in file order.
-        halfway: Called once after about half of the data is written (a save hook).
+        halfway: Called once when half of the data is written (a save hook).
+        hashers: At least two `HashThreads` (else hashing runs on this thread).
     """
     for name, tensor in entries:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise CheckpointError(f"{name}: internal error, tensor to write is not contiguous CPU")
     header = _header(entries)
     total = sum(t.numel() * t.element_size() for _, t in entries)
-    digest = hashlib.sha256()
-    half = total // 2 if halfway is not None else -1
-    written = 0
+    whole, blocks = hashlib.sha256(), _BlockHasher()
     with open(path, "xb") as handle:
-        for head in (struct.pack("<Q", len(header)), header):
-            handle.write(head)
-            digest.update(head)
-        if written == half:  # an empty data section is half written at once
-            halfway()  # type: ignore[misc]
-        for _, tensor in entries:
-            view = _bytes_of(tensor)
-            start = 0
-            while start < len(view):
-                # Stop a chunk at the half-way byte so the hook sees a genuinely partial file.
-                stop = min(start + _CHUNK, len(view))
-                if written < half < written + stop - start:
-                    stop = start + half - written
-                chunk = view[start:stop]
+        head = struct.pack("<Q", len(header)) + header
+        for chunk in (head, *_chunks(entries, total // 2 if halfway is not None else -1)):
+            if chunk is None:
+                handle.flush()
+                halfway()  # type: ignore[misc]  # chunks are None only when halfway is set
+                continue
+            if hashers is None:
+                whole.update(chunk)
+                blocks.feed(chunk)
                 handle.write(chunk)
-                digest.update(chunk)
-                written += len(chunk)
-                start = stop
-                if written == half and halfway is not None:
-                    handle.flush()
-                    halfway()
+                continue
+            wait = hashers.start([(whole.update, chunk), (blocks.feed, chunk)])
+            handle.write(chunk)
+            wait()
         handle.flush()
         os.fsync(handle.fileno())
-    return FileDigest(digest.hexdigest(), 8 + len(header) + total)
+    return FileDigest(whole.hexdigest(), len(head) + total, tuple(blocks.finish()))
 
 
 def sha256_of(path: Path) -> FileDigest:
@@ -144,3 +199,28 @@ def sha256_of(path: Path) -> FileDigest:
             digest.update(chunk)
             size += len(chunk)
     return FileDigest(digest.hexdigest(), size)
+
+
+def block_sha256(path: Path, index: int) -> str:
+    """The SHA-256 of block ``index`` of ``path`` (see `FileDigest.blocks`)."""
+    with open(path, "rb") as handle:
+        handle.seek(index * BLOCK_BYTES)
+        return hashlib.sha256(handle.read(BLOCK_BYTES)).hexdigest()
+
+
+def read_header(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """``(data_start, {key: (begin, end)})``: where each entry's bytes sit in the file."""
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        spans = {
+            k: (int(v["data_offsets"][0]), int(v["data_offsets"][1]))
+            for k, v in header.items()
+            if k != "__metadata__"
+        }
+    except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{path}: unreadable safetensors header ({exc}); the file is damaged"
+        ) from exc
+    return 8 + length, spans

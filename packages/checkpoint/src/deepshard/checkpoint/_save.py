@@ -33,6 +33,8 @@ import torch
 
 from deepshard.checkpoint import _publish
 from deepshard.checkpoint._exchange import Members, all_gather_json, members_of
+from deepshard.checkpoint._handle import SaveHandle
+from deepshard.checkpoint._hash_threads import HashThreads
 from deepshard.checkpoint._layout import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -42,57 +44,14 @@ from deepshard.checkpoint._layout import (
     data_file_name,
 )
 from deepshard.checkpoint._plan import RankPlan, merge_reports, plan_rank
-from deepshard.checkpoint._safetensors_io import write_safetensors
+from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, write_safetensors
 from deepshard.checkpoint._types import JSONValue, SaveHooks, StateValue, state_items
 from deepshard.comm import Group
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["SaveHandle", "save"]
+__all__ = ["save"]
 
 _POLL_S = 0.005
-
-
-class SaveHandle:
-    """The outcome of a `save`; for a background save, a way to wait for it.
-
-    A background save is also waited for at process exit. Pass the handle as ``after=`` to
-    the next `save` or `load` so they wait for it first and raise its error.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        """The tag directory the save publishes."""
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        """Whether the save has finished (successfully or not)."""
-        return self._done.is_set()
-
-    def wait(self, timeout_s: float | None = None) -> Path:
-        """Wait for the save and return its directory.
-
-        Raises:
-            CheckpointError: The save failed (the error it failed with), or it is still
-                running after ``timeout_s``.
-        """
-        if not self._done.wait(timeout_s):
-            raise CheckpointError(
-                f"the save of {self.path} is still running after {timeout_s} s; wait longer"
-            )
-        if self._error is not None:
-            if isinstance(self._error, CheckpointError):
-                raise self._error
-            raise CheckpointError(f"saving {self.path} failed: {self._error!r}") from self._error
-        return self.path
-
-    def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done.set()
-        atexit.unregister(self._wait_at_exit)
-
-    def _wait_at_exit(self) -> None:
-        self._done.wait()
 
 
 @dataclass(frozen=True)
@@ -107,6 +66,8 @@ class _Job:
     keep_last: int | None
     hooks: SaveHooks | None
     timeout_s: float
+    hashers: HashThreads | None = None
+    max_file_bytes: int | None = None
 
     def reached(self, point: Any) -> None:
         if self.hooks is not None:
@@ -117,15 +78,46 @@ def _report_path(tmp_dir: Path, rank: int) -> Path:
     return tmp_dir / f".report-{rank:05d}.json"
 
 
+def _split(
+    entries: list[tuple[str, torch.Tensor]], max_bytes: int | None
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Entries grouped into files of at most ``max_bytes`` (a larger entry gets its own)."""
+    parts: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in entries:
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_bytes is not None and parts[-1] and size + nbytes > max_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append((name, tensor))
+        size += nbytes
+    return parts
+
+
 def _write_part(job: _Job) -> None:
     rank, world = job.members.rank, job.members.world_size
-    report: dict[str, Any] = {"rank": rank, "file": data_file_name(rank, world), "error": None}
+    report: dict[str, Any] = {"rank": rank, "error": None, "files": [], "entry_file": {}}
     try:
         job.reached("before_files")
-        digest = write_safetensors(
-            job.tmp_dir / report["file"], job.plan.entries, halfway=lambda: job.reached("mid_file")
-        )
-        report.update(sha256=digest.sha256, size=digest.size, pieces=job.plan.pieces)
+        parts = _split(job.plan.entries, job.max_file_bytes)
+        for index, entries in enumerate(parts):
+            file = data_file_name(rank, world, index if len(parts) > 1 else None)
+            digest = write_safetensors(
+                job.tmp_dir / file,
+                entries,
+                halfway=(lambda: job.reached("mid_file")) if index == 0 else None,
+                hashers=job.hashers,
+            )
+            report["files"].append(
+                {
+                    "file": file,
+                    "sha256": digest.sha256,
+                    "size": digest.size,
+                    "blocks": digest.blocks,
+                }
+            )
+            report["entry_file"].update({name: file for name, _ in entries})
+        report["pieces"] = job.plan.pieces
         report["shapes"] = {k: [list(s), d] for k, (s, d) in job.plan.shapes.items()}
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
@@ -169,7 +161,15 @@ def _version(dist_name: str) -> str:
 def _publish_tag(job: _Job) -> Path:
     reports = _await_reports(job)
     files = {
-        r["file"]: {"rank": r["rank"], "sha256": r["sha256"], "size": r["size"]} for r in reports
+        f["file"]: {
+            "rank": r["rank"],
+            "sha256": f["sha256"],
+            "size": f["size"],
+            "block_bytes": BLOCK_BYTES,
+            "block_sha256": list(f["blocks"]),
+        }
+        for r in reports
+        for f in r["files"]
     }
     document = {
         "format": FORMAT_NAME,
@@ -200,7 +200,11 @@ def _publish_tag(job: _Job) -> Path:
 
 
 def _run(job: _Job) -> Path:
-    _write_part(job)
+    try:
+        _write_part(job)
+    finally:
+        if job.hashers is not None:
+            job.hashers.close()
     if job.members.rank == 0:
         return _publish_tag(job)
     return job.save_dir / job.tag
@@ -208,7 +212,7 @@ def _run(job: _Job) -> Path:
 
 def _start(save_dir: Path, tag: str, members: Members, timeout_s: float) -> Path:
     """Step 1: rank 0 makes the temporary directory; every rank learns its name."""
-    status: dict[str, Any] = {"token": uuid.uuid4().hex[:12], "error": None}
+    status: dict[str, Any] = {"token": uuid.uuid4().hex[:12], "error": None, "tag": tag}
     if members.rank == 0:
         try:
             save_dir.mkdir(parents=True, exist_ok=True)
@@ -217,12 +221,22 @@ def _start(save_dir: Path, tag: str, members: Members, timeout_s: float) -> Path
             (save_dir / f"{TMP_PREFIX}{tag}-{status['token']}").mkdir()
         except OSError as exc:
             status["error"] = f"cannot create a directory in {save_dir}: {exc}"
-    first = all_gather_json(
+    statuses = all_gather_json(
         status, members, timeout_s=timeout_s, what=f"the start of saving {tag!r}"
-    )[0]
+    )
+    first = statuses[0]
     if first["error"] is not None:
         raise CheckpointError(f"rank 0: {first['error']}; pass a writable save_dir")
-    return save_dir / f"{TMP_PREFIX}{tag}-{first['token']}"
+    tmp_dir = save_dir / f"{TMP_PREFIX}{tag}-{first['token']}"
+    tags = [s["tag"] for s in statuses]
+    if len(set(tags)) > 1:
+        if members.rank == 0:
+            _publish.remove_tree(tmp_dir)
+        raise CheckpointError(
+            f"the ranks save under different tags {tags} (by rank); every rank must pass the "
+            "same tag (derive it from the global step, not from a rank-local counter)"
+        )
+    return tmp_dir
 
 
 def _check_metadata(metadata: Mapping[str, JSONValue] | None) -> dict[str, JSONValue]:
@@ -248,6 +262,7 @@ def save(
     hooks: SaveHooks | None = None,
     after: SaveHandle | None = None,
     timeout_s: float = 600.0,
+    max_file_bytes: int | None = None,
 ) -> SaveHandle:
     """Save ``state`` to ``save_dir/<tag>/``; collective over ``group``.
 
@@ -266,6 +281,8 @@ def save(
         hooks: Told of each `SavePoint` (crash-injection tests).
         after: A previous background save to wait for first; its error is raised here.
         timeout_s: Longest wait for the other ranks at any step.
+        max_file_bytes: Split each rank's data into files of at most this many bytes (an
+            entry larger than that gets a file of its own); one file per rank when ``None``.
 
     Returns:
         A `SaveHandle`, already done unless ``async_save``.
@@ -280,21 +297,25 @@ def save(
     document = _check_metadata(metadata)
     if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
         raise CheckpointError(f"keep_last={keep_last!r} must be an int >= 1, or None to keep all")
+    if max_file_bytes is not None and (isinstance(max_file_bytes, bool) or max_file_bytes < 1):
+        raise CheckpointError(f"max_file_bytes={max_file_bytes!r} must be >= 1, or None")
     members = members_of(group)
     root = Path(save_dir)
     tmp_dir = _start(root, tag, members, timeout_s)
-    plan = plan_rank(items, members.rank)
-    copy = async_save or any(
-        t.device.type != "cpu" or not t.is_contiguous() for _, t in plan.entries
-    )
-    if copy:
-        plan = RankPlan(
-            [(k, t.to("cpu", copy=True).contiguous()) for k, t in plan.entries],
-            plan.pieces,
-            plan.shapes,
-        )
+    plan = _snapshot(plan_rank(items, members.rank), copy=async_save)
     job = _Job(
-        members, root, tmp_dir, tag, plan, document, save_latest, keep_last, hooks, timeout_s
+        members,
+        root,
+        tmp_dir,
+        tag,
+        plan,
+        document,
+        save_latest,
+        keep_last,
+        hooks,
+        timeout_s,
+        HashThreads(),  # started here: the writer may run while the interpreter exits
+        max_file_bytes,
     )
     handle = SaveHandle(root / tag)
     if async_save:
@@ -303,20 +324,40 @@ def save(
             target=_in_background, args=(job, handle), name="deepshard-checkpoint-save", daemon=True
         ).start()
         return handle
+    _run_and_agree(job, handle)
+    return handle
+
+
+def _snapshot(plan: RankPlan, *, copy: bool) -> RankPlan:
+    """The plan with its tensors as contiguous CPU memory, copied if ``copy`` (background)."""
+    if not copy and all(t.device.type == "cpu" and t.is_contiguous() for _, t in plan.entries):
+        return plan
+    entries = [(k, t.to("cpu", copy=True).contiguous()) for k, t in plan.entries]
+    return RankPlan(entries, plan.pieces, plan.shapes)
+
+
+def _run_and_agree(job: _Job, handle: SaveHandle) -> None:
+    """A synchronous save: run it, then make any rank's failure every rank's error."""
     error: str | None = None
     try:
         _run(job)
     except Exception as exc:
         error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-    outcomes = all_gather_json(
-        error, members, timeout_s=timeout_s, what=f"the end of saving {tag!r}"
-    )
+    try:
+        outcomes = all_gather_json(
+            error, job.members, timeout_s=job.timeout_s, what=f"the end of saving {job.tag!r}"
+        )
+    except CheckpointError as exc:  # a rank is gone: say what this rank saw first
+        if job.members.rank == 0:
+            _publish.remove_tree(job.tmp_dir)
+        if error is None:
+            raise
+        raise CheckpointError(f"rank {job.members.rank}: {error}; then {exc}") from exc
     failures = [f"rank {r}: {e}" for r, e in enumerate(outcomes) if e is not None]
-    if failures and members.rank == 0:  # every rank is past its writes: nobody needs it now
-        _publish.remove_tree(tmp_dir)
+    if failures and job.members.rank == 0:  # every rank is past its writes: nobody needs it
+        _publish.remove_tree(job.tmp_dir)
     handle._finish(CheckpointError("; ".join(failures)) if failures else None)
     handle.wait()
-    return handle
 
 
 def _in_background(job: _Job, handle: SaveHandle) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "ShardedTensor",
     "StateValue",
     "check_sharded",
+    "state_items",
 ]
 
 JSONValue: TypeAlias = Any
@@ -81,12 +82,15 @@ class LoadResult:
         metadata: The ``metadata`` mapping the save was given.
         missing: Keys of ``like`` the checkpoint does not hold (left untouched).
         unexpected: Keys the checkpoint holds that ``like`` does not ask for.
+        bytes_read: Tensor bytes this rank read from the data files (its share, not the
+            whole checkpoint, when the layout is sharded).
     """
 
     path: Path
     metadata: dict[str, JSONValue]
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
+    bytes_read: int = 0
 
 
 def check_sharded(name: str, value: ShardedTensor) -> None:

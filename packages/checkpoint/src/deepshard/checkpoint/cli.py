@@ -204,7 +204,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from deepshard.checkpoint._offline import reshard
+    from deepshard.checkpoint._convert import reshard
 
     with _progress("resharding") as step:
         path = reshard(
@@ -215,7 +215,7 @@ def _reshard(args: argparse.Namespace) -> int:
 
 
 def _import_deepspeed(args: argparse.Namespace) -> int:
-    from deepshard.checkpoint._offline import import_deepspeed
+    from deepshard.checkpoint._convert import import_deepspeed
 
     with _progress("reading DeepSpeed files") as step:
         path = import_deepspeed(

@@ -39,6 +39,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepshard.interface import _shard_layout
 from deepshard.interface.errors import CheckpointError
 
 __all__ = ["SHARD_MAP_FORMAT_VERSION", "ShardMap", "ShardPiece"]
@@ -367,8 +368,6 @@ class ShardMap:
         cls, global_shape: Sequence[int], dtype: str, *, dim: int, sizes: Sequence[int]
     ) -> ShardMap:
         """Rank ``r`` holds the next ``sizes[r]`` slices along ``dim`` (uneven sizes allowed)."""
-        from deepshard.interface import _shard_layout
-
         return _shard_layout.contiguous_split(global_shape, dtype, dim=dim, sizes=sizes)
 
     @classmethod
@@ -382,8 +381,6 @@ class ShardMap:
         world_size: int,
     ) -> ShardMap:
         """A fused parameter (QKV, gate_up) whose ``parts`` along ``dim`` are each split."""
-        from deepshard.interface import _shard_layout
-
         return _shard_layout.sub_parameter(
             global_shape, dtype, dim=dim, parts=parts, world_size=world_size
         )
@@ -393,28 +390,18 @@ class ShardMap:
         cls, shapes: Sequence[Sequence[int]], dtype: str, *, world_size: int, alignment: int = 1
     ) -> list[ShardMap]:
         """ZeRO's flat layout: one map per tensor of a buffer cut into equal rank partitions."""
-        from deepshard.interface import _shard_layout
-
         return _shard_layout.flat_buffer(shapes, dtype, world_size=world_size, alignment=alignment)
 
     def runs(self, piece: ShardPiece) -> list[tuple[int, int, int]]:
         """``(global_flat_start, local_flat_start, length)`` of each contiguous run of ``piece``."""
-        from deepshard.interface import _shard_layout
-
         return _shard_layout.piece_runs(piece, self.global_shape)
 
     def validate_coverage(self, data: Mapping[int, Sequence[float]] | None = None) -> None:
-        """Check that every element is held exactly once, up to replicas.
+        """Raise `CheckpointError` unless every element is held exactly once, up to replicas.
 
-        Args:
-            data: Optional flat local storage of each rank; when given, replicas must agree.
-
-        Raises:
-            CheckpointError: A gap, an overlap between different pieces, replicas with
-                different scales, or (with ``data``) replicas holding different values.
+        Gaps, overlaps of differently cut pieces and replicas with different scales fail;
+        given ``data`` (each rank's flat local storage), so do replicas with different values.
         """
-        from deepshard.interface import _shard_layout
-
         _shard_layout.validate_coverage(self, data)
 
     def extract(self, full: Sequence[float], rank: int, *, linear: bool = True) -> list[float]:
@@ -423,12 +410,8 @@ class ShardMap:
         ``linear`` is True for parameters and their fp32 masters (stored as ``full * scale``);
         optimizer state (moments, momentum) passes False and is refused when a piece is scaled.
         """
-        from deepshard.interface import _shard_layout
-
         return _shard_layout.extract(self, full, rank, linear=linear)
 
     def rebuild(self, shards: Mapping[int, Sequence[float]], *, linear: bool = True) -> list[float]:
         """The row-major full tensor from every rank's flat local storage (checks coverage)."""
-        from deepshard.interface import _shard_layout
-
         return _shard_layout.rebuild(self, shards, linear=linear)

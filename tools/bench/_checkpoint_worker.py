@@ -11,8 +11,9 @@ memory, for every competitor alike.
   in 64 MiB blocks: the disk's sequential speed, the ceiling of any format.
 * ``deepshard``: `deepshard.checkpoint.save` / ``load`` of ZeRO-style flat partitions (each
   rank's ``1/world`` of the flat fp32 master and moment buffers, `ShardMap.flat_buffer` maps,
-  as ``ZeroOptimizer`` holds them), loaded into fresh buffers and checked equal; then the same
-  save with ``async_save=True``, timing how long it blocks.
+  as ``ZeroOptimizer`` holds them), loaded into fresh buffers and checked equal, loaded again
+  without checksums (to show what they cost); then the same save with ``async_save=True``,
+  timing how long it blocks.
 * ``deepspeed``: DeepSpeed 0.19.7 ZeRO-2 on its CPU accelerator, one AdamW step, then
   ``save_checkpoint`` / ``load_checkpoint`` (which writes the weights once more, as a module copy).
 * ``dcp``: FSDP2 (``fully_shard`` per layer and the root), one AdamW step, then
@@ -167,6 +168,9 @@ def _deepshard(job: RankJob, shape: Shape, folder: Path) -> dict[str, Any]:
         torch.equal(getattr(like[k], "local", like[k]), getattr(v, "local", v))
         for k, v in state.items()
     )
+    _evict(folder)
+    # Where load time goes: the same load without checking the SHA-256 of what it reads.
+    unchecked_s = _timed(lambda: load(folder / "sync", _fresh(state), verify_checksums=False))
     dist.barrier()
     start = time.perf_counter()
     handle = save(state, folder / "async", tag="t", group=None, async_save=True)
@@ -181,6 +185,7 @@ def _deepshard(job: RankJob, shape: Shape, folder: Path) -> dict[str, Any]:
         "async_blocking_s": blocking_s,
         "async_total_s": async_total_s,
         "roundtrip_equal": equal,
+        "load_unchecked_s": unchecked_s,
     }
 
 

@@ -120,7 +120,7 @@ def _race_one(ctx: Any, name: str, quick: bool, folder: Path) -> dict[str, Any]:
 def best(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The fastest round of each timed figure; the other fields from the last round."""
     row = dict(rounds[-1])
-    for key in ("save_s", "load_s", "async_blocking_s", "async_total_s"):
+    for key in ("save_s", "load_s", "load_unchecked_s", "async_blocking_s", "async_total_s"):
         if key in row:
             row[key] = min(r[key] for r in rounds)
     return row
@@ -164,6 +164,10 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(f"{label} {_verdict(ratio, target, kind)}")
     if "deepshard" in rows:
         row = rows["deepshard"]
+        lines.append(
+            f"deepshard load without checksums: {row['load_unchecked_s']:.4f} s (no target; "
+            f"checked: {row['load_s']:.4f} s)"
+        )
         ratio = row["async_blocking_s"] / row["save_s"]
         lines.append(
             f"deepshard async / sync: save blocking ratio {_verdict(ratio, ASYNC_TARGET, 'time')}"

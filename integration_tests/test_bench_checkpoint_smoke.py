@@ -1,0 +1,86 @@
+"""`tools/bench/checkpoint.py --quick` runs end to end: every competitor's row, ratios, verdicts.
+
+The benchmark runs once, in a subprocess, at its smoke size (a tiny model, one round, 2 gloo
+ranks). DeepSpeed is only in the optional `bench` dependency group, so its row is required only
+where it is importable; otherwise the run must say ``skipped: deepspeed``. Every ratio line must
+follow from the table's figures (recomputed here from the printed times and sizes), and its
+verdict from its target.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "tools" / "bench" / "checkpoint.py"
+ROW = re.compile(
+    r"^\| (?P<name>[a-z]+) \| (?P<save>[\d.]+) \| (?P<save_tp>[\d.]+) \| (?P<load>[\d.]+) "
+    r"\| (?P<load_tp>[\d.]+) \| (?P<mb>[\d.]+) \|$"
+)
+RATIO = re.compile(
+    r"^deepshard / (?P<theirs>[a-z]+): (?P<what>save|load) (?P<kind>time|throughput) ratio "
+    r"(?P<ratio>[\d.]+) \(target (?P<sign><=|>=) (?P<target>[\d.]+)\): (?P<verdict>MET|MISSED)$"
+)
+ASYNC = re.compile(
+    r"^deepshard async / sync: save blocking ratio (?P<ratio>[\d.]+) \(target <= 0.1\): "
+    r"(?P<verdict>MET|MISSED) \(blocked (?P<blocked>[\d.]+) s, finished in (?P<total>[\d.]+) s\)$"
+)
+
+
+@pytest.fixture(scope="module")
+def output() -> str:
+    command = [sys.executable, str(BENCH), "--quick"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, (
+        f"checkpoint.py exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    )
+    return done.stdout
+
+
+def _rows(text: str) -> dict[str, dict[str, float]]:
+    return {
+        m["name"]: {k: float(m[k]) for k in ("save", "load", "mb")}
+        for m in map(ROW.match, text.splitlines())
+        if m
+    }
+
+
+@pytest.mark.timeout(700)
+def test_every_competitor_has_a_row_and_every_ratio_follows(output: str) -> None:
+    rows = _rows(output)
+    expected = {"raw", "deepshard", "dcp"}
+    if importlib.util.find_spec("deepspeed") is not None:
+        expected.add("deepspeed")
+    else:
+        assert "skipped: deepspeed" in output
+    assert set(rows) == expected, output
+    assert all(r["save"] > 0 and r["load"] > 0 and r["mb"] > 0 for r in rows.values())
+    ratios = [m for m in map(RATIO.match, output.splitlines()) if m]
+    pairs = {(m["theirs"], m["what"]) for m in ratios}
+    needed = {(t, w) for t in expected - {"deepshard"} for w in ("save", "load")}
+    assert pairs == needed, output
+    for match in ratios:
+        ours, theirs = rows["deepshard"], rows[match["theirs"]]
+        what = match["what"]
+        if match["kind"] == "time":
+            expected_ratio = ours[what] / theirs[what]
+        else:  # throughput: bytes over time
+            expected_ratio = (ours["mb"] / ours[what]) / (theirs["mb"] / theirs[what])
+        # The table rounds times to 0.1 ms; the ratio is computed before rounding.
+        assert float(match["ratio"]) == pytest.approx(expected_ratio, rel=0.05, abs=2e-3)
+        met = (
+            float(match["ratio"]) <= float(match["target"])
+            if match["sign"] == "<="
+            else float(match["ratio"]) >= float(match["target"])
+        )
+        assert (match["verdict"] == "MET") == met, match[0]
+    (async_line,) = [m for m in map(ASYNC.match, output.splitlines()) if m]
+    assert float(async_line["blocked"]) <= float(async_line["total"])
+    assert (async_line["verdict"] == "MET") == (float(async_line["ratio"]) <= 0.1)
+    assert "ERROR" not in output

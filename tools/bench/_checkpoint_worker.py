@@ -1,0 +1,284 @@
+"""One rank of one competitor in the `checkpoint.py` race, in a process forked from a warm server.
+
+Every competitor saves and loads the same training state of the same model: the fp32 weights
+and AdamW's two moments (12 bytes per parameter) on 2 gloo ranks. A rank writes a JSON report:
+rank 0's wall times (between barriers, so the slower rank counts), the bytes on disk, and for
+DeepShard the async save's blocking time. Before every load the written files are evicted from
+the page cache (``posix_fadvise(DONTNEED)`` after an ``fsync``), so loads read the disk, not
+memory, for every competitor alike.
+
+* ``raw``: each rank writes, fsyncs, evicts and reads back one file of its share of the bytes
+  in 64 MiB blocks: the disk's sequential speed, the ceiling of any format.
+* ``deepshard``: `deepshard.checkpoint.save` / ``load`` of ZeRO-style flat partitions (each
+  rank's ``1/world`` of the flat fp32 master and moment buffers, `ShardMap.flat_buffer` maps,
+  as ``ZeroOptimizer`` holds them), loaded into fresh buffers and checked equal, loaded again
+  without checksums (to show what they cost); then the same save with ``async_save=True``,
+  timing how long it blocks.
+* ``deepspeed``: DeepSpeed 0.19.7 ZeRO-2 on its CPU accelerator, one AdamW step, then
+  ``save_checkpoint`` / ``load_checkpoint`` (which writes the weights once more, as a module copy).
+* ``dcp``: FSDP2 (``fully_shard`` per layer and the root), one AdamW step, then
+  ``torch.distributed.checkpoint.save`` / ``load`` of ``get_state_dict(model, optimizer)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BLOCK = 64 << 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model: ``layers`` bias-free ``width x width`` linear layers."""
+
+    width: int
+    layers: int
+
+    @property
+    def params(self) -> int:
+        """Number of parameters."""
+        return self.width * self.width * self.layers
+
+
+FULL = Shape(2048, 24)  # 100.7M parameters, 1.2 GB of fp32 weights + Adam moments
+QUICK = Shape(96, 3)
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What one rank runs."""
+
+    competitor: str
+    rank: int
+    world: int
+    port: int
+    quick: bool
+    folder: str
+    out: str
+
+
+def make_model(shape: Shape) -> torch.nn.Sequential:
+    """The seeded model every competitor saves."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        *(torch.nn.Linear(shape.width, shape.width, bias=False) for _ in range(shape.layers))
+    )
+
+
+def _evict(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _disk_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _timed(fn: Any) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _raw(job: RankJob, shape: Shape, folder: Path) -> dict[str, Any]:
+    share = 12 * shape.params // job.world
+    block = bytes(os.urandom(1 << 20)) * (min(BLOCK, max(share, 1 << 20)) >> 20)
+    path = folder / f"raw-{job.rank}.bin"
+
+    def write() -> None:
+        with open(path, "wb", buffering=0) as handle:
+            left = share
+            while left > 0:
+                left -= handle.write(memoryview(block)[: min(left, len(block))])
+            os.fsync(handle.fileno())
+
+    def read() -> None:
+        with open(path, "rb", buffering=0) as handle:
+            while handle.read(BLOCK):
+                pass
+
+    save_s = _timed(write)
+    _evict(folder)
+    return {"save_s": save_s, "load_s": _timed(read), "bytes": share * job.world}
+
+
+def _flat_state(model: torch.nn.Module, rank: int, world: int) -> dict[str, Any]:
+    from deepshard.checkpoint import ShardedTensor
+    from deepshard.interface import ShardMap
+
+    params = dict(model.named_parameters())
+    shapes = [tuple(p.shape) for p in params.values()]
+    maps = ShardMap.flat_buffer(shapes, "float32", world_size=world)
+    flat = torch.cat([p.detach().reshape(-1) for p in params.values()])
+    size = -(-flat.numel() // world)
+    buffers = {
+        "master": flat[rank * size : (rank + 1) * size].clone(),
+        "exp_avg": torch.randn(size, generator=torch.Generator().manual_seed(rank)),
+        "exp_avg_sq": torch.rand(size, generator=torch.Generator().manual_seed(rank + 9)),
+    }
+    state: dict[str, Any] = {"optimizer/param_groups.0/step": torch.tensor(1.0)}
+    for name, smap in zip(params, maps, strict=True):
+        state[f"module/{name}"] = ShardedTensor(buffers["master"], smap, rank)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            state[f"optimizer/{name}/{kind}"] = ShardedTensor(buffers[kind], smap, rank, False)
+    return state
+
+
+def _fresh(state: dict[str, Any]) -> dict[str, Any]:
+    from deepshard.checkpoint import ShardedTensor
+
+    locals_: dict[int, torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, ShardedTensor):
+            local = locals_.setdefault(id(value.local), torch.zeros_like(value.local))
+            out[key] = ShardedTensor(local, value.shard_map, value.rank, value.linear)
+        else:
+            out[key] = torch.zeros_like(value)
+    return out
+
+
+def _deepshard(job: RankJob, shape: Shape, folder: Path) -> dict[str, Any]:
+    from deepshard.checkpoint import load, save
+
+    dist.init_process_group("gloo")
+    state = _flat_state(make_model(shape), job.rank, job.world)
+    save_s = _timed(lambda: save(state, folder / "sync", tag="t", group=None))
+    _evict(folder)
+    like = _fresh(state)
+    load_s = _timed(lambda: load(folder / "sync", like, group=None))
+    equal = all(
+        torch.equal(getattr(like[k], "local", like[k]), getattr(v, "local", v))
+        for k, v in state.items()
+    )
+    _evict(folder)
+    # Where load time goes: the same load without checking the SHA-256 of what it reads.
+    unchecked_s = _timed(lambda: load(folder / "sync", _fresh(state), verify_checksums=False))
+    dist.barrier()
+    start = time.perf_counter()
+    handle = save(state, folder / "async", tag="t", group=None, async_save=True)
+    blocking_s = time.perf_counter() - start
+    handle.wait()
+    async_total_s = time.perf_counter() - start
+    dist.barrier()
+    return {
+        "save_s": save_s,
+        "load_s": load_s,
+        "bytes": _disk_bytes(folder / "sync"),
+        "async_blocking_s": blocking_s,
+        "async_total_s": async_total_s,
+        "roundtrip_equal": equal,
+        "load_unchecked_s": unchecked_s,
+    }
+
+
+def _one_step(model: torch.nn.Module, step: Any, width: int) -> None:
+    loss = model(torch.randn(2, width, generator=torch.Generator().manual_seed(1))).pow(2).mean()
+    step(loss)
+
+
+def _deepspeed(job: RankJob, shape: Shape, folder: Path) -> dict[str, Any]:
+    import deepspeed
+
+    # Its CPU all-reduce op is JIT-built on every start (minutes); checkpoints never use it.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = make_model(shape)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+
+    def step(loss: torch.Tensor) -> None:
+        engine.backward(loss)
+        engine.step()
+
+    _one_step(engine, step, shape.width)
+    save_s = _timed(lambda: engine.save_checkpoint(str(folder), tag="t", client_state={}))
+    _evict(folder)
+    load_s = _timed(lambda: engine.load_checkpoint(str(folder), tag="t"))
+    return {"save_s": save_s, "load_s": load_s, "bytes": _disk_bytes(folder / "t")}
+
+
+def _dcp(job: RankJob, shape: Shape, folder: Path) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (job.world,))
+    model = make_model(shape)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(loss: torch.Tensor) -> None:
+        loss.backward()
+        optimizer.step()
+
+    _one_step(model, step, shape.width)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    save_s = _timed(lambda: dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder))
+
+    def load() -> None:
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=folder)
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+
+    _evict(folder)
+    return {"save_s": save_s, "load_s": _timed(load), "bytes": _disk_bytes(folder)}
+
+
+def _raw_entry(job: RankJob, shape: Shape, folder: Path) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    return _raw(job, shape, folder)
+
+
+COMPETITORS = {"raw": _raw_entry, "deepshard": _deepshard, "deepspeed": _deepspeed, "dcp": _dcp}
+
+
+def run_rank(job: RankJob) -> None:
+    """Run ``job`` and write its report to ``job.out`` (its output to ``job.out``.log)."""
+    fd = os.open(job.out + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for stream in (1, 2):
+        os.dup2(fd, stream)
+    os.close(fd)
+    os.environ.update(
+        RANK=str(job.rank),
+        LOCAL_RANK=str(job.rank),
+        WORLD_SIZE=str(job.world),
+        LOCAL_WORLD_SIZE=str(job.world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(job.port),
+    )
+    torch.set_num_threads(1)
+    shape = QUICK if job.quick else FULL
+    folder = Path(job.folder)
+    report = COMPETITORS[job.competitor](job, shape, folder)
+    report["params"] = shape.params
+    Path(job.out).write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -232,3 +232,10 @@ def test_the_bash_check_catches_a_wrong_flag() -> None:
 
     with pytest.raises(SystemExit):
         parse_args(["--no_such_flag", "train.py"])
+
+
+def test_every_guide_is_in_the_site_nav() -> None:
+    nav = (REPO / "mkdocs.yml").read_text()
+    for guide in sorted((REPO / "docs" / "guides").glob("*.md")):
+        assert f"guides/{guide.name}" in nav, f"mkdocs.yml nav lacks guides/{guide.name}"
+    assert "migration.md" in nav

@@ -113,6 +113,58 @@ def field_notes() -> dict[tuple[str, str], str]:
     return notes
 
 
+def _leaf_keys() -> Iterator[str]:
+    """Every DeepSpeed key path of the schema that holds a value (not a section)."""
+    for model, prefix in _sections(DeepShardConfig, ""):
+        for name, info in model.model_fields.items():
+            members = unwrap_optional(info.annotation)
+            if not any(isinstance(m, type) and issubclass(m, BaseModel) for m in members):
+                yield f"{prefix}{json_key(name, info)}"
+
+
+_MIGRATION_TITLES = {
+    "available": "Supported: runs as in DeepSpeed",
+    "ignored": "Different: accepted, but no effect yet (reported once on rank 0)",
+    "planned": "Refused: `initialize` raises a `ConfigError` naming the key",
+}
+
+
+def _supported_rows(keys: list[str]) -> list[str]:
+    """One row per top-level section: its supported keys, in schema order."""
+    sections: dict[str, list[str]] = {}
+    for key in keys:
+        section, _, rest = key.partition(".")
+        sections.setdefault(section if rest else "(top level)", []).append(f"`{rest or key}`")
+    return [f"| `{name}` | {', '.join(names)} |" for name, names in sections.items()]
+
+
+def migration_tables() -> str:
+    """Every config key of the schema, grouped by what DeepShard does with it today.
+
+    A key no row covers (or an ``available`` row covers) is supported; the others sit under
+    their row's status with the condition that makes a config ask for it.
+    """
+    supported: list[str] = []
+    other: dict[str, list[str]] = {"ignored": [], "planned": []}
+    for key in _leaf_keys():
+        row = status_of(key)
+        if row is None or row.status == "available":
+            supported.append(key)
+        else:
+            line = f"| `{key}` | {row.when.describe()} | {row.feature} | {_owner(row)} |"
+            other[row.status].append(line)
+    head = "| key | asked for when | feature | brought by |\n| --- | --- | --- | --- |"
+    parts = [
+        f"### {_MIGRATION_TITLES['available']} ({len(supported)} keys)\n\n"
+        "| section | keys |\n| --- | --- |\n" + "\n".join(_supported_rows(supported))
+    ]
+    for status, rows in other.items():
+        parts.append(
+            f"### {_MIGRATION_TITLES[status]} ({len(rows)} keys)\n\n{head}\n" + "\n".join(rows)
+        )
+    return "\n\n".join(parts)
+
+
 def _note(row: FeatureStatus) -> str:
     if row.status == "planned":
         head = f"**Status: planned** (refused when {row.when.describe()}, at `{row.key}`)"
@@ -125,6 +177,7 @@ REGIONS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"packages": readme_packages, "planned": planned_summary},
     "docs/index.md": {"packages": docs_packages, "planned": planned_summary},
     "docs/api/interface-config.md": {"features": feature_table},
+    "docs/migration.md": {"migration": migration_tables},
 }
 """File (from the repository root) -> region name -> what fills it."""
 

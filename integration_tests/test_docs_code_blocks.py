@@ -10,7 +10,7 @@
   after another in a single interpreter (importing torch once is most of the cost), each in a
   fresh namespace and temporary working directory, with any process group torn down between.
 * Each ```bash line of the guides and the migration guide names a known command; ``ds-launch``
-  lines are parsed by the launcher's own argument parser. (README.md's and
+  and ``ds-checkpoint`` lines are parsed by their own argument parsers. (README.md's and
   docs/installation.md's commands are checked by ``test_readme_commands_work_as_printed.py``.)
 
 About 40-70 s in all on 2 busy cores, nearly all of it importing torch and the engine.
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 _FENCE = re.compile(r"^```(\w+)\n(.*?)^```", flags=re.S | re.M)
 _SKIP = re.compile(r"<!-- doctest: skip \((.+?)\) -->\s*$")
 _OWN_PROCESS = ("run_on_mesh", "torch.multiprocessing", "mp.start_processes")
-_KNOWN_COMMANDS = {"ds-launch", "uv", "python"}
+_KNOWN_COMMANDS = {"ds-launch", "ds-checkpoint", "uv", "python"}
 _BASH_PAGES = ("docs/migration.md", "docs/guides")
 
 
@@ -225,6 +225,10 @@ def test_bash_line_is_a_known_command(where: str, command: str) -> None:
         from deepshard.launcher.cli import parse_args
 
         parse_args(words[1:])  # exits (SystemExit 2) on a flag ds-launch does not have
+    if words[0] == "ds-checkpoint":
+        from deepshard.checkpoint.cli import build_parser
+
+        build_parser().parse_args(words[1:])  # the same for ds-checkpoint's subcommands
 
 
 def test_the_bash_check_catches_a_wrong_flag() -> None:

@@ -16,14 +16,13 @@ compute-dtype copy of the partition, which the accessors never read.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from deepshard.interface import ShardMap, ShardPiece
 from deepshard.interface.errors import ConfigError
-from deepshard.zero._offload_access import offloaded_views, state_name, store_offloaded
+from deepshard.zero._owner_views import OwnerViews, flat_like
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:
@@ -31,12 +30,11 @@ if TYPE_CHECKING:
     from deepshard.zero._full_grad_store import SplitGradients
     from deepshard.zero._offload import HostOffload
     from deepshard.zero._passes import BackwardPasses
-    from deepshard.zero.access import StateKind
 
 __all__ = ["ZeroPartitionAccess"]
 
 
-class ZeroPartitionAccess:
+class ZeroPartitionAccess(OwnerViews):
     """The `PartitionedOwner` methods of `ZeroOptimizer` (a mixin: the optimizer sets the
     attributes below)."""
 
@@ -49,8 +47,6 @@ class ZeroPartitionAccess:
     _passes: BackwardPasses
     _offload: HostOffload | None
     _group: torch.distributed.ProcessGroup
-    check_resident: Callable[[str], None]
-    """`deepshard.zero._states.StateOffload.check_resident` (the optimizer has both mixins)."""
 
     @property
     def partition_group(self) -> torch.distributed.ProcessGroup:
@@ -86,52 +82,15 @@ class ZeroPartitionAccess:
         found = self._find(param)
         return None if found is None else found[1].shard_map
 
-    def local_views(
-        self, param: torch.Tensor, kind: StateKind, key: str | None = None
-    ) -> list[torch.Tensor] | None:
-        """This rank's elements of ``param``'s master, reduced gradient or inner state ``key``
-        (see `deepshard.zero.access.PartitionedOwner.local_views`).
-
-        Raises:
-            CommError: States are offloaded (`deepshard.zero.ZeroOptimizer.reload_states` first).
-            ConfigError: ``param`` is not one this optimizer holds, or ``key`` is no state.
-        """
-        self.check_resident(f"reading or writing a parameter's {kind}")
+    def _locate(self, param: torch.Tensor) -> tuple[int, list[tuple[int, int]]] | None:
         found = self._find(param)
         if found is None:
             return None
         g, shard = found
-        spans = [(p.local_offset, p.local_offset + p.numel) for p in self._pieces(shard)]
-        name = (
-            None
-            if self._offload is None or kind == "grad"
-            else state_name(self._offload, kind, key)
-        )
-        if self._offload is not None and name is not None:
-            return offloaded_views(self._offload, g, name, spans)
-        if kind == "fp32":
-            return [self._masters[g][lo:hi] for lo, hi in spans]
-        if kind == "grad":
-            grads = self._store.grad_partition(g) if self._passes.ready else None
-            return None if grads is None else [grads[lo:hi] for lo, hi in spans]
-        return [view for lo, hi in spans for view in self._state_slices(g, lo, hi, key)]
+        return g, [(p.local_offset, p.local_offset + p.numel) for p in self._pieces(shard)]
 
-    def store_local_views(
-        self,
-        param: torch.Tensor,
-        kind: StateKind,
-        key: str | None,
-        views: Sequence[torch.Tensor],
-    ) -> None:
-        """Write views of NVMe-offloaded masters or moments back into their files."""
-        found = self._find(param)
-        if self._offload is None or kind == "grad" or found is None:
-            return
-        name = state_name(self._offload, kind, key)
-        if name is not None:
-            g, shard = found
-            spans = [(p.local_offset, p.local_offset + p.numel) for p in self._pieces(shard)]
-            store_offloaded(self._offload, g, name, spans, views)
+    def _grad_partition(self, index: int) -> torch.Tensor | None:
+        return self._store.grad_partition(index) if self._passes.ready else None
 
     def _pieces(self, shard: ParamShard) -> list[ShardPiece]:
         return list(shard.shard_map.pieces_of(self._group.rank()))
@@ -142,9 +101,9 @@ class ZeroPartitionAccess:
         slices = []
         for view, start, _ in self._full.views[g]:  # the unit's views, whichever group steps them
             state = self.inner.state.get(view, {})
-            keys.update(k for k, v in state.items() if _flat_like(v, view))
+            keys.update(k for k, v in state.items() if flat_like(v, view))
             a, b = max(lo, start), min(hi, start + view.numel())
-            if a < b and key in state and _flat_like(state[key], view):
+            if a < b and key in state and flat_like(state[key], view):
                 slices.append(state[key].view(-1)[a - start : b - start])
         if key not in keys:
             raise ConfigError(
@@ -157,8 +116,3 @@ class ZeroPartitionAccess:
         """Copy the whole fp32 ``value`` into the model's parameter (its dtype)."""
         with torch.no_grad():
             param.copy_(value.view(param.shape))
-
-
-def _flat_like(value: object, view: torch.Tensor) -> bool:
-    """Whether ``value`` is a per-element state tensor of the master view ``view``."""
-    return isinstance(value, torch.Tensor) and value.numel() == view.numel() and value.dim() > 0

@@ -22,20 +22,18 @@ as itself on host master views keeps its own state, read as without offload.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from deepshard.interface import ShardMap
 from deepshard.interface.errors import ConfigError
-from deepshard.zero._offload_access import offloaded_views, state_name, store_offloaded
+from deepshard.zero._owner_views import OwnerViews, flat_like
 
 if TYPE_CHECKING:
     from deepshard.zero._offload import HostOffload
     from deepshard.zero._shard_info import ShardInfo
     from deepshard.zero._sharded import ShardedModule
-    from deepshard.zero.access import StateKind
 
 __all__ = ["Stage3PartitionAccess"]
 
@@ -43,7 +41,7 @@ View = tuple[int, torch.Tensor, int, int]
 """``(unit, master view, lo, hi)``, as `deepshard.zero._stage3_optimizer` keeps them."""
 
 
-class Stage3PartitionAccess:
+class Stage3PartitionAccess(OwnerViews):
     """The `PartitionedOwner` methods of `Stage3Optimizer` (a mixin ahead of the stage 0-2 one;
     the optimizer sets the attributes below)."""
 
@@ -54,8 +52,6 @@ class Stage3PartitionAccess:
     _offload: HostOffload | None
     _group: torch.distributed.ProcessGroup
     _ready: bool
-    check_resident: Callable[[str], None]
-    """`deepshard.zero._states.StateOffload.check_resident` (the optimizer has both mixins)."""
 
     def _info(self, param: torch.Tensor) -> ShardInfo | None:
         """``param``'s `ShardInfo`; ``None`` when it is frozen (nothing trains it)."""
@@ -79,45 +75,12 @@ class Stage3PartitionAccess:
         info = self._info(param)
         return None if info is None else info.shard.shard_map
 
-    def local_views(
-        self, param: torch.Tensor, kind: StateKind, key: str | None = None
-    ) -> list[torch.Tensor] | None:
-        """This rank's elements of ``param``'s master, reduced gradient or inner state ``key``
-        (see `deepshard.zero.access.PartitionedOwner.local_views`).
-
-        Raises:
-            CommError: States are offloaded.
-            ConfigError: ``param`` is not one this optimizer holds, or ``key`` is no state.
-        """
-        self.check_resident(f"reading or writing a parameter's {kind}")
+    def _locate(self, param: torch.Tensor) -> tuple[int, list[tuple[int, int]]] | None:
         info = self._info(param)
-        if info is None:
-            return None
-        spans = self._spans(info)
-        if kind == "grad":
-            grads = self.sharded.units[info.unit].grad_partition if self._ready else None
-            return None if grads is None else [grads[lo:hi] for lo, hi in spans]
-        name = None if self._offload is None else state_name(self._offload, kind, key)
-        if self._offload is not None and name is not None:
-            return offloaded_views(self._offload, info.unit, name, spans)
-        if kind == "fp32":
-            return [self._masters[info.unit][lo:hi] for lo, hi in spans]
-        return [view for lo, hi in spans for view in self._state_slices(info.unit, lo, hi, key)]
+        return None if info is None else (info.unit, self._spans(info))
 
-    def store_local_views(
-        self,
-        param: torch.Tensor,
-        kind: StateKind,
-        key: str | None,
-        views: Sequence[torch.Tensor],
-    ) -> None:
-        """Write views of NVMe-offloaded masters or moments back into their files."""
-        info = self._info(param)
-        if self._offload is None or kind == "grad" or info is None:
-            return
-        name = state_name(self._offload, kind, key)
-        if name is not None:
-            store_offloaded(self._offload, info.unit, name, self._spans(info), views)
+    def _grad_partition(self, index: int) -> torch.Tensor | None:
+        return self.sharded.units[index].grad_partition if self._ready else None
 
     def _spans(self, info: ShardInfo) -> list[tuple[int, int]]:
         """This rank's ranges of the parameter in its unit's partition."""
@@ -137,7 +100,7 @@ class Stage3PartitionAccess:
         keys: set[str] = set()
         slices = []
         for state, (_, view, start, stop) in self._state_entries(unit):
-            flat = {k for k, v in state.items() if _flat_like(v, view)}
+            flat = {k for k, v in state.items() if flat_like(v, view)}
             keys |= flat
             a, b = max(lo, start), min(hi, stop)
             if a < b and key in flat:
@@ -163,8 +126,3 @@ class Stage3PartitionAccess:
                 state.wait_gather()
             if state.gathered:
                 param.data.copy_(flat.view(param.shape))
-
-
-def _flat_like(value: object, view: torch.Tensor) -> bool:
-    """Whether ``value`` is a per-element state tensor of the master view ``view``."""
-    return isinstance(value, torch.Tensor) and value.numel() == view.numel() and value.dim() > 0

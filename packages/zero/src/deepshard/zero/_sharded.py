@@ -282,6 +282,12 @@ class ShardedModule:
 
     # --- inspection -------------------------------------------------------------------
 
+    @property
+    def mixed_groups(self) -> bool:
+        """Whether some unit is partitioned over a group other than `group` (expert
+        parameters, `deepshard.zero._rgroups`)."""
+        return any(u.group is not self.group for u in self.units)
+
     def shard_info(self, param: torch.Tensor) -> ShardInfo:
         """The full shape, dtype, this rank's slice and the `ShardMap` of ``param``.
 

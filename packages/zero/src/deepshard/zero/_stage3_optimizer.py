@@ -54,6 +54,7 @@ from deepshard.zero._stage3_masters import (
     merged_ranges,
 )
 from deepshard.zero._stage3_muon import Stage3FullGrads
+from deepshard.zero._rgroups import mixed_group_problems
 from deepshard.zero._stage3_offload import build_stage3_offload, follow_partitions
 from deepshard.zero._stage3_owner import Stage3PartitionAccess
 from deepshard.zero._stage3_states import Stage3States
@@ -119,6 +120,8 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         problems += offload_problems(
             self.config, optimizer, zero_force_ds_cpu_optimizer, transformed
         )
+        if sharded.mixed_groups:
+            problems += mixed_group_problems(self.config, transformed=transformed)
         if problems:
             raise ConfigError.from_problems(problems)
         if group is not None and resolve_group(group) is not sharded.group:
@@ -132,7 +135,8 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         self._group = sharded.group
         self._partitions, self._partition_rank = self._group.size(), self._group.rank()
         self._device = sharded.units[0].buffer.device
-        self._trainable = [plan.trainable_numel(self._partition_rank) for plan in sharded.plans]
+        # Each unit's own group rank: expert units are partitioned over their own group.
+        self._trainable = [p.trainable_numel(u.rank) for p, u in zip(sharded.plans, sharded.units)]
         self._transforms = Stage3FullGrads(
             full_grad_transform, transformed_params, sharded, optimizer.param_groups, comms_logger
         )

@@ -121,7 +121,7 @@ class Stage3PartitionAccess:
 
     def _spans(self, info: ShardInfo) -> list[tuple[int, int]]:
         """This rank's ranges of the parameter in its unit's partition."""
-        pieces = info.shard.shard_map.pieces_of(self._group.rank())
+        pieces = info.shard.shard_map.pieces_of(self.sharded.units[info.unit].rank)
         return [(p.local_offset, p.local_offset + p.numel) for p in pieces]
 
     def _state_entries(self, unit: int) -> list[tuple[dict[str, torch.Tensor], View]]:

@@ -90,17 +90,24 @@ def axes_of(
     }
 
 
-def mixed_group_problems(config: ZeroConfig, *, transformed: bool) -> list[str]:
-    """What a `ZeroOptimizer` over a model with several reduction groups cannot do yet."""
+def mixed_group_problems(config: ZeroConfig, *, transformed: bool) -> list[tuple[str, str]]:
+    """``(key, message)`` for what a `ZeroOptimizer` over a model with several reduction
+    groups cannot do yet."""
     problems = []
     if config.offload_optimizer is not None and config.offload_optimizer.device != "none":
         problems.append(
-            "zero_optimization.offload_optimizer: not built for a model with several "
-            "reduction groups (expert and dense parameters) yet; leave it out"
+            (
+                "zero_optimization.offload_optimizer",
+                "not built for a model with several reduction groups (expert and dense "
+                "parameters) yet; leave it out",
+            )
         )
     if transformed:
         problems.append(
-            "full_grad_transform (Muon) is not built for a model with several reduction "
-            "groups (expert and dense parameters) yet; use an element-wise optimizer"
+            (
+                "full_grad_transform",
+                "Muon is not built for a model with several reduction groups (expert and "
+                "dense parameters) yet; use an element-wise optimizer",
+            )
         )
     return problems

@@ -74,8 +74,15 @@ class Stage3PartitionAccess:
         """The shard map of ``param``'s fp32 master over `partition_group`; ``None`` when frozen.
 
         Raises:
-            ConfigError: ``param`` is trainable but not a parameter of the sharded module.
+            ConfigError: ``param`` is trainable but not a parameter of the sharded module, or
+                the model has several reduction groups (not built for the safe_* helpers).
         """
+        if self.sharded.mixed_groups:
+            raise ConfigError(
+                "safe_get_*/safe_set_* are not built for a model with several reduction groups "
+                "(expert and dense parameters) yet; read the weights inside "
+                "ShardedModule.gathered() instead"
+            )
         info = self._info(param)
         return None if info is None else info.shard.shard_map
 

@@ -69,7 +69,9 @@ def test_stage3_plans_one_layout_per_group(dims: ParallelDims) -> None:
 def test_stages_0_to_2_refuse_several_groups(dims: ParallelDims, stage: int) -> None:
     model = _model()
     with pytest.raises(ConfigError, match=r"ZeroPolicy\(stage=.*only stage 3"):
-        shard(model, parallel_dims=dims, policy=ZeroPolicy(stage=stage), placements=_registry(model))
+        shard(
+            model, parallel_dims=dims, policy=ZeroPolicy(stage=stage), placements=_registry(model)
+        )
 
 
 def test_group_argument_cannot_find_the_other_groups(dims: ParallelDims) -> None:

@@ -44,6 +44,7 @@ from deepshard.interface.errors import CheckpointError, CommError, ConfigError
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._offload_plan import offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
+from deepshard.zero._rgroups import mixed_group_problems
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard
@@ -54,7 +55,6 @@ from deepshard.zero._stage3_masters import (
     merged_ranges,
 )
 from deepshard.zero._stage3_muon import Stage3FullGrads
-from deepshard.zero._rgroups import mixed_group_problems
 from deepshard.zero._stage3_offload import build_stage3_offload, follow_partitions
 from deepshard.zero._stage3_owner import Stage3PartitionAccess
 from deepshard.zero._stage3_states import Stage3States
@@ -136,7 +136,8 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         self._partitions, self._partition_rank = self._group.size(), self._group.rank()
         self._device = sharded.units[0].buffer.device
         # Each unit's own group rank: expert units are partitioned over their own group.
-        self._trainable = [p.trainable_numel(u.rank) for p, u in zip(sharded.plans, sharded.units)]
+        pairs = zip(sharded.plans, sharded.units, strict=True)
+        self._trainable = [plan.trainable_numel(unit.rank) for plan, unit in pairs]
         self._transforms = Stage3FullGrads(
             full_grad_transform, transformed_params, sharded, optimizer.param_groups, comms_logger
         )

@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepshard.interface.errors import ConfigError
-
 from deepshard.interface import ShardPiece
+from deepshard.interface.errors import ConfigError
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:

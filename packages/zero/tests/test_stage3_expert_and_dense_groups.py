@@ -121,12 +121,14 @@ def _train_sharded(mesh: Any) -> dict[str, Any]:
         losses.append(loss.item())
     records = [(r.op, r.world_size, r.msg_bytes) for r in logger.records]
     maps = {
-        name: [
+        shard.name: [
             (piece.rank, piece.coords, piece.box_offset, piece.flat_start, piece.stop)
-            for piece in shard_info(param).shard.shard_map.pieces
+            for piece in shard.shard_map.pieces
         ]
-        for name, param in model.named_parameters()
+        for shard in zero.shard_maps()
     }
+    by_name = {shard.name: shard for shard in zero.shard_maps()}
+    assert by_name == {name: shard_info(p).shard for name, p in model.named_parameters()}
     plans = [(p.name, p.reduce_over, p.param_names, p.layout.numel) for p in sharded.plans]
     with sharded.gathered():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}

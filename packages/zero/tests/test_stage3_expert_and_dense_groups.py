@@ -132,6 +132,8 @@ def _train_sharded(mesh: Any) -> dict[str, Any]:
     plans = [(p.name, p.reduce_over, p.param_names, p.layout.numel) for p in sharded.plans]
     with sharded.gathered():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        assert sharded.is_gathered(model.blocks[0])  # both of its plans
+    assert not sharded.is_gathered(model.blocks[0])
     return {
         "losses": losses,
         "norms": norms,

@@ -317,9 +317,11 @@ class ShardedModule:
         )
 
     def is_gathered(self, module: torch.nn.Module) -> bool:
-        """Whether the unit of ``module`` is gathered (or being gathered)."""
-        state = self.units[self.unit_of(module)]
-        return state.gathered or state.in_flight
+        """Whether the unit of ``module`` is gathered (or being gathered): every plan of it,
+        one per reduction group (`deepshard.zero._rgroups`)."""
+        first = self.units[self.unit_of(module)]
+        states = [s for s in self.units if s.plan.module is module] or [first]
+        return all(s.gathered or s.in_flight for s in states)
 
     def live_numel(self) -> int:
         """Gathered (or in-flight) elements of non-resident units right now."""

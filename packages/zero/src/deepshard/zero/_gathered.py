@@ -156,6 +156,8 @@ class GatheredParameters:
         argument = "GatheredParameters(params)"
         self._groups = _by_owner(_as_list(params, argument), argument)
         for owner, _ in self._groups:
+            if modifier_rank is not None and isinstance(owner, ShardedModule):
+                _check_one_group(owner, modifier_rank)
             size = owner.group.size()
             if modifier_rank is not None and not 0 <= modifier_rank < size:
                 raise ConfigError(
@@ -254,3 +256,13 @@ def partition(params: torch.Tensor | Iterable[torch.Tensor], *, free_data: bool 
         sharded.release_unused(units)
         for param, data in kept:
             param.data = data
+
+
+def _check_one_group(sharded: ShardedModule, modifier_rank: int) -> None:
+    """``modifier_rank`` is a rank of one group; several (expert and dense) are not built."""
+    if sharded.mixed_groups:
+        raise ConfigError(
+            f"GatheredParameters(modifier_rank={modifier_rank}) is not built for a model with "
+            "several reduction groups (expert and dense parameters) yet; use "
+            "modifier_rank=None, or change the weights before deepshard.zero.shard"
+        )

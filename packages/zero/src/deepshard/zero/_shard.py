@@ -26,6 +26,7 @@ from deepshard.zero._lookup import owner_of
 from deepshard.zero._param_offload import build_homes
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._resident import ResidentModule, build_resident
+from deepshard.zero._rgroups import axes_of, reduction_groups
 from deepshard.zero._shard_info import ShardInfo, build_shard_infos
 from deepshard.zero._sharded import ShardedModule, UnitHook
 from deepshard.zero._unit_state import UnitState
@@ -91,9 +92,16 @@ def shard(
     pg = resolve_group(parallel_dims.dense_dp if parallel_dims is not None else group)
     if policy.param_dtype is not None:
         module.to(policy.param_dtype)
+    groups = reduction_groups(module, pg, parallel_dims, placements)
+    if groups and policy.stage < 3:
+        raise ConfigError(
+            f"ZeroPolicy(stage={policy.stage}): the placements name several reduction groups "
+            f"({sorted(groups)} besides the dense one); only stage 3 lays a unit out per group "
+            "so far: use ZeroPolicy(stage=3), or wrap each kind in its own ZeroOptimizer"
+        )
     if policy.stage < 3:
         return build_resident(module, pg, policy, placements, comms_logger)
-    return build_sharded(module, pg, policy, placements, comms_logger)
+    return build_sharded(module, pg, policy, placements, comms_logger, groups=groups)
 
 
 class ParamSource(Protocol):
@@ -116,15 +124,33 @@ def build_sharded(
     comms_logger: CommsLogger | None,
     *,
     source: ParamSource | None = None,
+    groups: Mapping[tuple[str, ...], torch.distributed.ProcessGroup] | None = None,
 ) -> ShardedModule:
     """`shard` after its checks: plan the units, then build and release them one at a time.
 
     With ``source``, parameters already partitioned elsewhere are made whole one unit at a
     time, just before their unit keeps its chunk (so at most one unit is whole at once).
+    ``groups`` (reduction axes → process group, `reduction_groups`) gives each parameter whose
+    placement names one of them a unit plan of its own over that group.
     """
     shapes = source.full_shapes() if source is not None else None
-    plans = plan_units(module, policy, world_size=pg.size(), shapes=shapes)
-    infos = build_shard_infos(plans, pg, placements)
+    groups = dict(groups or {})
+    if groups and (source is not None or policy.param_offload is not None):
+        raise ConfigError(
+            "several reduction groups (expert and dense parameters in one model) are not "
+            "built with deepshard.zero.Init or ZeroPolicy(param_offload=...) yet; shard the "
+            "model without them"
+        )
+    plans = plan_units(
+        module,
+        policy,
+        world_size=pg.size(),
+        shapes=shapes,
+        reduce_over=axes_of(module, placements, groups),
+        world_of=lambda axes: groups[axes].size(),
+    )
+    unit_groups = [groups[plan.reduce_over] if plan.reduce_over else pg for plan in plans]
+    infos = build_shard_infos(plans, unit_groups, placements)
     device = next((p.device for plan in plans for p in plan.params), torch.device("cpu"))
     numels = [plan.layout.partition_numel for plan in plans]
     home = build_homes(policy.param_offload, numels, device)
@@ -132,7 +158,7 @@ def build_sharded(
     for plan in plans:
         if source is not None:
             source.materialize(plan.params)
-        state = UnitState(plan, pg, comms_logger, home)
+        state = UnitState(plan, unit_groups[plan.index], comms_logger, home)
         state.release()
         states.append(state)
     return ShardedModule(module, plans, states, infos, pg, policy, comms_logger)

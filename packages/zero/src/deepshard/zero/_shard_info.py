@@ -9,7 +9,7 @@ the `deepshard.interface.ShardMap` of its fp32 masters (derived from its placeme
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,14 +59,29 @@ class ShardInfo:
 
 def build_shard_infos(
     plans: Sequence[UnitPlan],
-    group: torch.distributed.ProcessGroup,
+    groups: Sequence[torch.distributed.ProcessGroup],
     placements: PlacementRegistry | None,
 ) -> dict[int, ShardInfo]:
     """Every owned parameter's `ShardInfo`, keyed by ``id(param)``; call before releasing.
 
+    ``groups[i]`` is the group unit ``i`` is partitioned over; each parameter's map covers
+    its own group's ranks (placements resolved group by group).
+
     Raises:
         TopologyError: As `deepshard.zero._placements.resolve_placements`.
     """
+    infos: dict[int, ShardInfo] = {}
+    for group in dict.fromkeys(groups):
+        mine = [plan for plan, g in zip(plans, groups, strict=True) if g is group]
+        infos.update(_group_infos(mine, group, placements))
+    return infos
+
+
+def _group_infos(
+    plans: Sequence[UnitPlan],
+    group: torch.distributed.ProcessGroup,
+    placements: PlacementRegistry | None,
+) -> dict[int, ShardInfo]:
     # Shape stand-ins: the parameters themselves may be partitioned already (`Init`).
     params = [
         [torch.empty(slot.shape, dtype=p.dtype, device="meta") for slot in p.layout.slots]
@@ -79,7 +94,7 @@ def build_shard_infos(
     infos: dict[int, ShardInfo] = {}
     for plan in plans:
         for name, param, slot in zip(plan.param_names, plan.params, plan.layout.slots, strict=True):
-            shard = next(shards)
+            shard = replace(next(shards), group_index=plan.index)
             mine = [piece for piece in plan.layout.pieces(slot) if piece.rank == rank]
             start, stop, local = (
                 (mine[0].flat_start, mine[0].flat_stop, mine[0].local_offset) if mine else (0, 0, 0)

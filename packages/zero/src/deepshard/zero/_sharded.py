@@ -282,6 +282,12 @@ class ShardedModule:
 
     # --- inspection -------------------------------------------------------------------
 
+    @property
+    def mixed_groups(self) -> bool:
+        """Whether some unit is partitioned over a group other than `group` (expert
+        parameters, `deepshard.zero._rgroups`)."""
+        return any(u.group is not self.group for u in self.units)
+
     def shard_info(self, param: torch.Tensor) -> ShardInfo:
         """The full shape, dtype, this rank's slice and the `ShardMap` of ``param``.
 
@@ -311,9 +317,11 @@ class ShardedModule:
         )
 
     def is_gathered(self, module: torch.nn.Module) -> bool:
-        """Whether the unit of ``module`` is gathered (or being gathered)."""
-        state = self.units[self.unit_of(module)]
-        return state.gathered or state.in_flight
+        """Whether the unit of ``module`` is gathered (or being gathered): every plan of it,
+        one per reduction group (`deepshard.zero._rgroups`)."""
+        first = self.units[self.unit_of(module)]
+        states = [s for s in self.units if s.plan.module is module] or [first]
+        return all(s.gathered or s.in_flight for s in states)
 
     def live_numel(self) -> int:
         """Gathered (or in-flight) elements of non-resident units right now."""

@@ -44,6 +44,7 @@ from deepshard.interface.errors import CheckpointError, CommError, ConfigError
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._offload_plan import offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
+from deepshard.zero._rgroups import mixed_group_problems
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard
@@ -119,6 +120,8 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         problems += offload_problems(
             self.config, optimizer, zero_force_ds_cpu_optimizer, transformed
         )
+        if sharded.mixed_groups:
+            problems += mixed_group_problems(self.config, transformed=transformed)
         if problems:
             raise ConfigError.from_problems(problems)
         if group is not None and resolve_group(group) is not sharded.group:
@@ -132,7 +135,9 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         self._group = sharded.group
         self._partitions, self._partition_rank = self._group.size(), self._group.rank()
         self._device = sharded.units[0].buffer.device
-        self._trainable = [plan.trainable_numel(self._partition_rank) for plan in sharded.plans]
+        # Each unit's own group rank: expert units are partitioned over their own group.
+        pairs = zip(sharded.plans, sharded.units, strict=True)
+        self._trainable = [plan.trainable_numel(unit.rank) for plan, unit in pairs]
         self._transforms = Stage3FullGrads(
             full_grad_transform, transformed_params, sharded, optimizer.param_groups, comms_logger
         )

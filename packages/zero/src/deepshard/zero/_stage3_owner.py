@@ -70,8 +70,15 @@ class Stage3PartitionAccess(OwnerViews):
         """The shard map of ``param``'s fp32 master over `partition_group`; ``None`` when frozen.
 
         Raises:
-            ConfigError: ``param`` is trainable but not a parameter of the sharded module.
+            ConfigError: ``param`` is trainable but not a parameter of the sharded module, or
+                the model has several reduction groups (not built for the safe_* helpers).
         """
+        if self.sharded.mixed_groups:
+            raise ConfigError(
+                "safe_get_*/safe_set_* are not built for a model with several reduction groups "
+                "(expert and dense parameters) yet; read the weights inside "
+                "ShardedModule.gathered() instead"
+            )
         info = self._info(param)
         return None if info is None else info.shard.shard_map
 
@@ -84,7 +91,7 @@ class Stage3PartitionAccess(OwnerViews):
 
     def _spans(self, info: ShardInfo) -> list[tuple[int, int]]:
         """This rank's ranges of the parameter in its unit's partition."""
-        pieces = info.shard.shard_map.pieces_of(self._group.rank())
+        pieces = info.shard.shard_map.pieces_of(self.sharded.units[info.unit].rank)
         return [(p.local_offset, p.local_offset + p.numel) for p in pieces]
 
     def _state_entries(self, unit: int) -> list[tuple[dict[str, torch.Tensor], View]]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepshard.interface import ShardPiece
+from deepshard.interface.errors import ConfigError
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:
@@ -174,7 +175,16 @@ def flat_regions(opt: ZeroOptimizer) -> Regions:
 
 
 def stage3_regions(opt: Stage3Optimizer) -> Regions:
-    """Stage 3: one region per unit (its trainable prefix); frozen parameters have no master."""
+    """Stage 3: one region per unit (its trainable prefix); frozen parameters have no master.
+
+    Raises:
+        ConfigError: The model has several reduction groups (not built here yet).
+    """
+    if opt.sharded.mixed_groups:
+        raise ConfigError(
+            "state_shards()/load_state_shards() are not built for a model with several "
+            "reduction groups (expert and dense parameters) yet; save with state_dict()"
+        )
     offload = opt._offload
     if offload is None:
         regions = [

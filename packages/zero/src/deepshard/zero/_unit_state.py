@@ -78,6 +78,11 @@ class UnitState:
         self._point_params()  # the parameters' own storage goes now (`release` frees the buffer)
 
     @property
+    def group(self) -> torch.distributed.ProcessGroup:
+        """The group the unit is partitioned and reduced over."""
+        return self._group
+
+    @property
     def partition(self) -> torch.Tensor:
         """This rank's chunk in its home (no bytes between uses when the home is a file)."""
         return self.home.partition

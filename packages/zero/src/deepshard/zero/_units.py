@@ -13,11 +13,18 @@ Each unit's parameters are laid out in one flat buffer by `deepshard.zero.layout
 partition is chunk ``r`` of the buffer and one all-gather rebuilds the whole unit. Trainable
 parameters come first and frozen ones last, so a rank's trainable elements are a prefix of its
 partition (`UnitPlan.trainable_numel`).
+
+**One layout per (unit × reduction group).** When the parameters of one unit name different
+reduction groups in their placements (a MoE block: expert weights reduced over ``dp``, the
+router and norms over ``dp × ep × sp``), the unit is planned as several `UnitPlan` s on the same
+module, one per group in order of first appearance, each laid out over its own group's size.
+Each is gathered, released and reduce-scattered over its own group; the module's forward
+gathers all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +52,8 @@ class UnitPlan:
         params: Those parameters.
         layout: Their flat layout over the data-parallel group.
         external: Indices of the units owning parameters its modules use but do not own.
+        reduce_over: The mesh axes its parameters are partitioned and reduced over (``()``:
+            the one group `deepshard.zero.shard` was given).
     """
 
     index: int
@@ -54,6 +63,7 @@ class UnitPlan:
     params: tuple[torch.nn.Parameter, ...]
     layout: FlatLayout
     external: tuple[int, ...]
+    reduce_over: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -104,6 +114,8 @@ def plan_units(
     shapes: Mapping[int, tuple[int, ...]] | None = None,
     bucket_numel: int = _ONE_BUCKET,
     trainable_only: bool = False,
+    reduce_over: Mapping[str, tuple[str, ...]] | None = None,
+    world_of: Callable[[tuple[str, ...]], int] | None = None,
 ) -> tuple[UnitPlan, ...]:
     """The units of ``module`` under ``policy`` and their flat layouts over ``world_size`` ranks.
 
@@ -116,14 +128,19 @@ def plan_units(
     in buckets as they become ready, and ``trainable_only``: frozen parameters then belong to
     no unit and keep their own storage (nothing is gathered or reduced for them).
 
+    ``reduce_over`` (parameter name → reduction axes) splits a unit whose parameters name
+    several groups into one plan per group; ``world_of`` gives each group's size (its layout's
+    ``world_size``; ``world_size`` when omitted).
+
     Raises:
         ConfigError: A unit's parameters mix dtypes or devices.
     """
     owner_of_module = _unit_of_modules(module, policy)
-    order = list(dict.fromkeys(owner_of_module.values()))
-    owned: dict[str, list[tuple[str, torch.nn.Parameter]]] = {name: [] for name in order}
-    uses: dict[str, set[int]] = {name: set() for name in order}
-    owner_of_param: dict[int, str] = {}
+    axes_of = reduce_over or {}
+    units: dict[tuple[str, tuple[str, ...]], list[tuple[str, torch.nn.Parameter]]] = {}
+    units.update({(name, ()): [] for name in dict.fromkeys(owner_of_module.values())})
+    uses: dict[str, set[int]] = {name: set() for name, _ in units}
+    owner_of_param: dict[int, tuple[str, tuple[str, ...]]] = {}
     for mod_name, sub in module.named_modules():
         unit = owner_of_module[mod_name]
         for p_name, param in sub.named_parameters(recurse=False):
@@ -131,32 +148,45 @@ def plan_units(
             if trainable_only and not param.requires_grad:
                 continue
             if id(param) not in owner_of_param:
-                owner_of_param[id(param)] = unit
-                owned[unit].append((full, param))
-            elif owner_of_param[id(param)] != unit:
+                key = (unit, axes_of.get(full, ()))
+                owner_of_param[id(param)] = key
+                units.setdefault(key, []).append((full, param))
+            elif owner_of_param[id(param)][0] != unit:
                 uses[unit].add(id(param))
-    kept = [name for name in order if owned[name] or not name]
-    index = {name: i for i, name in enumerate(kept)}
+    order = sorted(units, key=_unit_order(list(uses)))
+    kept = [key for key in order if units[key] or key == ("", ())]
+    index = {key: i for i, key in enumerate(kept)}
     modules = dict(module.named_modules())
     plans = []
-    for name in kept:
+    for key in kept:
+        name, axes = key
         # Trainable first: the frozen parameters fill the end of the layout, so each rank's
         # trainable elements are a prefix of its partition and only that prefix gets an fp32
         # master (`deepshard.zero._stage3_optimizer`).
-        params = sorted(owned[name], key=lambda named: not named[1].requires_grad)
+        params = sorted(units[key], key=lambda named: not named[1].requires_grad)
         external = sorted({index[owner_of_param[pid]] for pid in uses[name]})
+        world = world_of(axes) if world_of is not None and axes else world_size
         plans.append(
             UnitPlan(
-                index[name],
+                index[key],
                 name,
                 modules[name],
                 tuple(n for n, _ in params),
                 tuple(p for _, p in params),
-                _layout(name, [p for _, p in params], world_size, shapes or {}, bucket_numel),
+                _layout(name, [p for _, p in params], world, shapes or {}, bucket_numel),
                 tuple(external),
+                axes,
             )
         )
     return tuple(plans)
+
+
+def _unit_order(
+    names: list[str],
+) -> Callable[[tuple[str, tuple[str, ...]]], tuple[int, int]]:
+    """Sort key of ``(unit name, axes)``: registration order of the unit, then ``()`` first."""
+    position = {name: i for i, name in enumerate(names)}
+    return lambda key: (position[key[0]], 0 if not key[1] else 1)
 
 
 def _layout(

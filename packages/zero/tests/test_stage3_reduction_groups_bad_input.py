@@ -1,0 +1,102 @@
+"""Several reduction groups in one sharded model: what is not built is refused, by name.
+
+Rank 1 of ``dp=2 × ep=2`` is played on a fake process group (no data moves; nothing here
+reads values). The model has a dense layer and an expert layer whose placement reduces it over
+``dp`` only. Stage 3 builds one plan per group; every path not built for several groups —
+stages 0-2, ``shard(group=...)``, a group reaching outside the dense axes, optimizer offload,
+the safe_* helpers, ``state_shards()``, ``GatheredParameters(modifier_rank=...)`` — raises a
+typed error naming what to do instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from deepshard.comm import ParallelDims
+from deepshard.interface import ParamPlacement, PlacementRegistry, Shard, Topology
+from deepshard.interface.config import ZeroConfig
+from deepshard.interface.errors import ConfigError, TopologyError
+from deepshard.testing import fake_mesh
+from deepshard.zero import (
+    GatheredParameters,
+    ZeroOptimizer,
+    ZeroPolicy,
+    safe_get_full_fp32_param,
+    shard,
+)
+
+TOPOLOGY = Topology(dp=2, ep=2)
+
+
+@pytest.fixture
+def dims() -> Iterator[ParallelDims]:
+    with fake_mesh(TOPOLOGY, 1) as mesh:
+        yield ParallelDims.from_mesh(mesh)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8))
+
+
+def _registry(model: torch.nn.Module, expert_axes: tuple[str, ...] = ("dp",)) -> PlacementRegistry:
+    registry = PlacementRegistry.replicated([], TOPOLOGY)
+    for name, param in model.named_parameters():
+        if name.startswith("1."):  # the expert: rows of a stacked (2 experts) tensor
+            shape = (2 * param.shape[0], *param.shape[1:])
+            placement = ParamPlacement.replicated(shape, "float32", reduce_over=expert_axes)
+            registry.set(name, placement.with_axis("ep", Shard(0)))
+        else:
+            registry.set(name, ParamPlacement.replicated(tuple(param.shape), "float32"))
+    return registry
+
+
+def test_stage3_plans_one_layout_per_group(dims: ParallelDims) -> None:
+    model = _model()
+    sharded = shard(model, parallel_dims=dims, placements=_registry(model))
+    assert [(p.name, p.reduce_over, p.param_names) for p in sharded.plans] == [
+        ("", (), ("0.weight", "0.bias")),
+        ("", ("dp",), ("1.weight", "1.bias")),
+    ]
+    assert sharded.mixed_groups
+    assert [u.world for u in sharded.units] == [4, 2]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stages_0_to_2_refuse_several_groups(dims: ParallelDims, stage: int) -> None:
+    model = _model()
+    with pytest.raises(ConfigError, match=r"ZeroPolicy\(stage=.*only stage 3"):
+        shard(
+            model, parallel_dims=dims, policy=ZeroPolicy(stage=stage), placements=_registry(model)
+        )
+
+
+def test_group_argument_cannot_find_the_other_groups(dims: ParallelDims) -> None:
+    model = _model()
+    with pytest.raises(ConfigError, match="pass parallel_dims="):
+        shard(model, group=dims.dense_dp, placements=_registry(model))
+
+
+def test_a_group_outside_the_dense_axes_is_refused(dims: ParallelDims) -> None:
+    model = _model()
+    with pytest.raises(TopologyError, match="outside the dense data-parallel axes"):
+        shard(model, parallel_dims=dims, placements=_registry(model, ("dp", "tp")))
+
+
+def test_unbuilt_paths_are_refused(dims: ParallelDims) -> None:
+    model = _model()
+    sharded = shard(model, parallel_dims=dims, placements=_registry(model))
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+    offload = ZeroConfig(stage=3, offload_optimizer={"device": "cpu"})
+    with pytest.raises(ConfigError, match="offload_optimizer: not built"):
+        ZeroOptimizer(inner, sharded, config=offload)
+    zero = ZeroOptimizer(inner, sharded, config=ZeroConfig(stage=3))
+    with pytest.raises(ConfigError, match="safe_get_"):
+        safe_get_full_fp32_param(model[1].weight, zero)
+    with pytest.raises(ConfigError, match="state_shards"):
+        zero.state_shards()
+    with pytest.raises(ConfigError, match="modifier_rank=0"):
+        GatheredParameters(list(model.parameters()), modifier_rank=0)

@@ -100,3 +100,24 @@ def test_unbuilt_paths_are_refused(dims: ParallelDims) -> None:
         zero.state_shards()
     with pytest.raises(ConfigError, match="modifier_rank=0"):
         GatheredParameters(list(model.parameters()), modifier_rank=0)
+
+
+def test_an_expert_replicated_along_a_left_out_axis_is_refused() -> None:
+    """With sp = 2 an expert reduced over dp only is copied on both sp ranks: the one-all-reduce
+    norm would count it twice, so it is refused naming the axis (at sp = 1 the same placements
+    shard, as the tests above show)."""
+    topology = Topology(dp=2, ep=2, sp=2)
+    with fake_mesh(topology, 1) as mesh:
+        dims = ParallelDims.from_mesh(mesh)
+        model = _model()
+        registry = PlacementRegistry.replicated([], topology)
+        for name, param in model.named_parameters():
+            shape = tuple(param.shape)
+            if name.startswith("1."):
+                shape = (2 * shape[0], *shape[1:])
+                placement = ParamPlacement.replicated(shape, "float32", reduce_over=("dp",))
+                registry.set(name, placement.with_axis("ep", Shard(0)))
+            else:
+                registry.set(name, ParamPlacement.replicated(shape, "float32"))
+        with pytest.raises(TopologyError, match=r"replicated along 'sp' \(size 2\)"):
+            shard(model, parallel_dims=dims, placements=registry)

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from deepshard.comm import ParallelDims, resolve_group
-from deepshard.interface import PlacementRegistry, Topology
+from deepshard.interface import PlacementRegistry, Shard, Topology
 from deepshard.interface.config import ZeroConfig
 from deepshard.interface.errors import ConfigError, TopologyError
 
@@ -71,8 +71,36 @@ def reduction_groups(
             f"{Topology.dense_dp_axes}; with several reduction groups each must lie inside "
             "them (the gradient norm is combined over the dense group)"
         )
+    if len(found) > 1:
+        _check_norm_counts_once(module, placements, parallel_dims.topology)
     groups = {axes: resolve_group(parallel_dims.group_over(axes)) for axes in found}
     return {axes: g for axes, g in groups.items() if g is not pg}
+
+
+def _check_norm_counts_once(
+    module: torch.nn.Module, placements: PlacementRegistry, topology: Topology
+) -> None:
+    """Refuse a parameter replicated along a dense axis its group leaves out.
+
+    The one-all-reduce norm counts each element once only when the ranks along every dense axis
+    outside a parameter's reduction group hold *different* pieces of it (experts split over
+    ``ep``); a parameter merely replicated there (an expert copied over ``sp`` > 1) would be
+    counted once per copy.
+    """
+    for name, param in module.named_parameters():
+        if not param.requires_grad or name not in placements:
+            continue
+        placement = placements[name]
+        by_axis = dict(zip(placement.axes, placement.placements, strict=True))
+        for axis in Topology.dense_dp_axes:
+            size = getattr(topology, axis)
+            if axis in placement.reduce_over or size == 1 or isinstance(by_axis[axis], Shard):
+                continue
+            raise TopologyError(
+                f"{name!r} reduces over {placement.reduce_over} but is replicated along "
+                f"{axis!r} (size {size}), so the combined gradient norm would count it {size} "
+                f"times; add {axis!r} to its reduce_over or shard it along {axis!r}"
+            )
 
 
 def axes_of(

@@ -31,9 +31,8 @@ the gradient (`deepshard.zero._full_grads`). Those groups are a full-gradient pa
 store; the ordinary store never sees them. `full_shape` tells the inner optimizer the real shape
 of what it steps (`deepshard.interface.ParamShapes`).
 
-Loss scaling, the accumulation counter and the forward pass belong to the caller (the engine):
-it declares which backward pass ends an accumulation cycle (`ZeroOptimizer.set_boundary`, or
-``is_boundary`` of `ZeroOptimizer.backward`) and passes the loss scale to `ZeroOptimizer.step`.
+Loss scaling, accumulation and the forward pass are the caller's (the engine): it marks the pass
+ending a cycle (`set_boundary`, ``backward(is_boundary=)``) and passes the scale to `step`.
 """
 
 from __future__ import annotations

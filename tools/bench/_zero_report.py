@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+import _bench_json
 from _zero_lineup import PAIRINGS, Pairing
 
 Row = dict[str, Any]
@@ -121,3 +123,50 @@ def exit_status(rows: dict[str, Row], disagreements: list[str]) -> int:
     if disagreements:
         return EXIT_FAILED
     return EXIT_REFUSED if any("refused" in r for r in rows.values()) else EXIT_OK
+
+
+def write_json(
+    path: Path | None,
+    reports: dict[str, list[list[dict[str, Any]]]],
+    rows: dict[str, Row],
+    missing: dict[str, str],
+) -> None:
+    """The `run.py` report: each pairing's ratios (per round for step time) and the figures.
+
+    A round's step time is its fastest step, as in the verdicts; memory is one figure per row.
+    """
+    out = []
+    for pairing in PAIRINGS:
+        ours, theirs = rows.get(pairing.ours), rows.get(pairing.theirs)
+        if ours is None or theirs is None or "refused" in ours or "refused" in theirs:
+            continue
+        if pairing.measure == "best_s":
+            best = {n: [min(ranks[0]["times"]) for ranks in reports[n]] for n in (
+                pairing.ours, pairing.theirs)}  # fmt: skip
+            ratios = _bench_json.paired_ratios(best[pairing.ours], best[pairing.theirs])
+        elif ours["rss_delta"] and theirs["rss_delta"]:
+            ratios = [ours["rss_delta"] / theirs["rss_delta"]]
+        else:
+            continue
+        out.append(_bench_json.ratio_row(pairing.ours, pairing.theirs, _MEASURES[pairing.measure],
+                                         ratios))  # fmt: skip
+    figures = {
+        name: {
+            "time_s": [t for ranks in reports[name] for t in ranks[0]["times"]],
+            "peak_mib": None if row["rss_delta"] is None else row["rss_delta"] / 2**20,
+            "stage": _stage(name),
+        }
+        for name, row in rows.items()
+        if "refused" not in row
+    }
+    missing = {**missing, **{n: f"refused: {r['refused']}" for n, r in rows.items() if "refused" in r}}
+    _bench_json.write(path, "zero", out, figures, missing)
+
+
+def _stage(name: str) -> str:
+    """The ZeRO stage a row runs (``ddp`` is stage 0's baseline, ``fsdp2*`` stage 3's)."""
+    if name == "ddp":
+        return "0"
+    if name.startswith("fsdp2"):
+        return "3" + name.removeprefix("fsdp2")
+    return name.split("-", 1)[1]

@@ -96,23 +96,29 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
     matplotlib.use("Agg")  # a file, no display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     points = zero_points(result)
     table = result["table"]
-    panels = (2 if points else 0) + 1
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, max(4.0, 0.3 * len(table) + 1.5)))
-    axes = list(axes) if panels > 1 else [axes]
+    height = max(3.0, 0.28 * len(table) + 1.5)
+    layout = [["time", "memory"], ["ratios", "ratios"]] if points else [["ratios"]]
+    fig, axes = plt.subplot_mosaic(
+        layout, figsize=(12, height + (4.5 if points else 0)),
+        height_ratios=[4.5, height] if points else None,
+    )  # fmt: skip
     if points:
-        _zero_panels(axes[0], axes[1], points)
-    ax = axes[-1]
-    labels = [f"{r['suite']}: {r['ours']} / {r['theirs']} ({r['measure']})" for r in table]
+        _zero_panels(axes["time"], axes["memory"], points)
+    ax = axes["ratios"]
     medians = [r["median"] for r in table]
     spans = [[r["median"] - r["min"] for r in table], [r["max"] - r["median"] for r in table]]
-    ax.barh(range(len(table)), medians, xerr=spans, color="tab:blue", alpha=0.7)
+    ax.errorbar(medians, range(len(table)), xerr=spans, fmt="o", capsize=3)
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_yticks(range(len(table)), labels, fontsize=7)
+    ax.set_yticks(range(len(table)), [f"{r['suite']}: {r['ours']} / {r['theirs']}" for r in table])
+    ax.tick_params(axis="y", labelsize=7)
     ax.set_xscale("log")
-    ax.set_xlabel("DeepShard / competitor (median, min-max; < 1 is better)")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("DeepShard / competitor: median, min-max (< 1 is better)")
     ax.invert_yaxis()
     fig.suptitle(f"{result['machine']['cpu']}, {result['machine']['date']}", fontsize=9)
     fig.tight_layout()

@@ -28,7 +28,7 @@ def paired_ratios(ours: list[float], theirs: list[float]) -> list[float]:
     """Round-by-round ratios of two equally long series of one measure."""
     if len(ours) != len(theirs):
         raise ValueError(f"paired_ratios: {len(ours)} rounds against {len(theirs)}")
-    return [a / b for a, b in zip(ours, theirs) if b]
+    return [a / b for a, b in zip(ours, theirs, strict=True) if b]
 
 
 def write(

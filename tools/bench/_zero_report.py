@@ -159,7 +159,10 @@ def write_json(
         for name, row in rows.items()
         if "refused" not in row
     }
-    missing = {**missing, **{n: f"refused: {r['refused']}" for n, r in rows.items() if "refused" in r}}
+    missing = {
+        **missing,
+        **{n: f"refused: {r['refused']}" for n, r in rows.items() if "refused" in r},
+    }
     _bench_json.write(path, "zero", out, figures, missing)
 
 

@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import _bench_json
 from _adam_spec import DTYPES, HYPER_PARAMETERS, NAMES, bytes_per_param
 
 BANDWIDTH_TARGET = 0.80  # of STREAM triad, at sizes of at least _BANDWIDTH_TARGET_SIZE
@@ -236,7 +237,9 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]], load: float
     return _problems(args, results)
 
 
-def _write_json(path: Path | None, rows: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
+def _write_json(
+    path: Path | None, rows: list[dict[str, Any]], results: list[dict[str, Any]]
+) -> None:
     """Per size and thread count, DeepShard's round-by-round time over each competitor's."""
     by_key = {(row["name"], row["params"], row["threads"]): row for row in rows}
     ratios, figures = [], {}

@@ -63,7 +63,7 @@ SUITES = (
     Suite("profiler", "profiler.py", (), ("--hidden", "32", "--layers", "1", "--batch", "1",
                                           "--seq", "16", "--steps", "1", "--rounds", "2")),
     Suite("launch", "launch.py", ("--runs", "5"), ("--runs", "1")),
-    Suite("watchdog", "watchdog.py", (), ("--calls", "20", "--rounds", "4")),
+    Suite("watchdog", "watchdog.py", (), ("--calls", "10", "--rounds", "3")),
     Suite("sequence_parallel", "sequence_parallel.py", (), ("--quick",)),
 )  # fmt: skip
 BY_NAME = {suite.name: suite for suite in SUITES}

@@ -101,14 +101,14 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     points = zero_points(result)
     table = result["table"]
     height = max(3.0, 0.28 * len(table) + 1.5)
-    layout = [["time", "memory"], ["ratios", "ratios"]] if points else [["ratios"]]
+    layout = "TM;RR" if points else "R"  # T(ime) and M(emory) per stage above the R(atios)
     fig, axes = plt.subplot_mosaic(
         layout, figsize=(12, height + (4.5 if points else 0)),
         height_ratios=[4.5, height] if points else None,
     )  # fmt: skip
     if points:
-        _zero_panels(axes["time"], axes["memory"], points)
-    ax = axes["ratios"]
+        _zero_panels(axes["T"], axes["M"], points)
+    ax = axes["R"]
     medians = [r["median"] for r in table]
     spans = [[r["median"] - r["min"] for r in table], [r["max"] - r["median"] for r in table]]
     ax.errorbar(medians, range(len(table)), xerr=spans, fmt="o", capsize=3)

@@ -6,6 +6,7 @@ reported beside DeepShard's own figures, a failed suite, and the stage each ZeRO
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -70,3 +71,37 @@ def test_paired_ratios_refuse_unequal_rounds() -> None:
     assert _bench_json.paired_ratios([1.0, 3.0], [2.0, 2.0]) == [0.5, 1.5]
     with pytest.raises(ValueError, match="1 rounds against 2"):
         _bench_json.paired_ratios([1.0], [1.0, 2.0])
+
+
+def test_zero_json_pairs_each_rounds_fastest_step_and_skips_refusals(tmp_path: Path) -> None:
+    def rank(times: list[float], rss: int) -> dict[str, object]:
+        return {
+            "times": times,
+            "rss_delta": rss,
+            "losses": [2.0, 1.0],
+            "params": 10,
+            "tensor_bytes": None,
+        }
+
+    reports = {
+        "ddp": [[rank([0.5, 0.4], 200 << 20), rank([0.6], 210 << 20)], [rank([0.8, 0.2], 0)] * 2],
+        "deepshard-1": [[rank([0.3, 0.2], 100 << 20)] * 2, [rank([0.1, 0.3], 105 << 20)] * 2],
+        "deepshard-2": [[{"refused": "stage 2 refused"}] * 2],
+    }
+    rows = {name: _zero_report.summarise(ranks) for name, ranks in reports.items()}
+    path = tmp_path / "zero.json"
+    _zero_report.write_json(path, reports, rows, {"deepspeed-1": "not importable"})
+    report = json.loads(path.read_text())
+    by_pair = {(r["ours"], r["theirs"], r["measure"]): r["ratios"] for r in report["rows"]}
+    # Round 1: 0.2 / 0.4; round 2: 0.1 / 0.2. Memory: the larger rank's peak, 105 / 210 MiB.
+    assert by_pair == {
+        ("deepshard-1", "ddp", "step time"): [0.5, 0.5],
+        ("deepshard-1", "ddp", "peak RSS growth"): [0.5],
+    }
+    assert report["figures"]["deepshard-1"] == {
+        "time_s": [0.3, 0.2, 0.1, 0.3], "peak_mib": 105.0, "stage": "1",
+    }  # fmt: skip
+    assert report["missing"] == {
+        "deepspeed-1": "not importable",
+        "deepshard-2": "refused: stage 2 refused",
+    }

@@ -133,23 +133,20 @@ def write_json(
 ) -> None:
     """The `run.py` report: each pairing's ratios (per round for step time) and the figures.
 
-    A round's step time is its fastest step, as in the verdicts; memory is one figure per row.
+    Every pair the report compares gets both measures: a round's step time is its fastest step,
+    as in the verdicts (one ratio per round); memory is one figure per row.
     """
     out = []
-    for pairing in PAIRINGS:
-        ours, theirs = rows.get(pairing.ours), rows.get(pairing.theirs)
-        if ours is None or theirs is None or "refused" in ours or "refused" in theirs:
+    for ours, theirs in dict.fromkeys((p.ours, p.theirs) for p in PAIRINGS):
+        a, b = rows.get(ours), rows.get(theirs)
+        if a is None or b is None or "refused" in a or "refused" in b:
             continue
-        if pairing.measure == "best_s":
-            best = {n: [min(ranks[0]["times"]) for ranks in reports[n]] for n in (
-                pairing.ours, pairing.theirs)}  # fmt: skip
-            ratios = _bench_json.paired_ratios(best[pairing.ours], best[pairing.theirs])
-        elif ours["rss_delta"] and theirs["rss_delta"]:
-            ratios = [ours["rss_delta"] / theirs["rss_delta"]]
-        else:
-            continue
-        out.append(_bench_json.ratio_row(pairing.ours, pairing.theirs, _MEASURES[pairing.measure],
-                                         ratios))  # fmt: skip
+        best = [[min(ranks[0]["times"]) for ranks in reports[n]] for n in (ours, theirs)]
+        ratios = _bench_json.paired_ratios(best[0], best[1])
+        out.append(_bench_json.ratio_row(ours, theirs, _MEASURES["best_s"], ratios))
+        if a["rss_delta"] and b["rss_delta"]:
+            memory = [a["rss_delta"] / b["rss_delta"]]
+            out.append(_bench_json.ratio_row(ours, theirs, _MEASURES["rss_delta"], memory))
     figures = {
         name: {
             "time_s": [t for ranks in reports[name] for t in ranks[0]["times"]],

@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the table and machine as JSON here")
     parser.add_argument("--docs", action="store_true", help="render benchmarks.md and the plot")
     parser.add_argument("--docs-dir", type=Path, default=REPO / "docs", help="default docs/")
+    parser.add_argument("--from-json", type=Path, help="render a saved --json run, run nothing")
     parser.add_argument("--note", help="a line for the docs page, e.g. that the box was shared")
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per suite")
     args = parser.parse_args(argv)
@@ -137,14 +138,15 @@ def table_lines(table: list[dict[str, Any]], reports: list[dict[str, Any]]) -> l
             f"| {r['suite']} | {r['ours']} | {r['theirs']} | {r['measure']} | {r['min']:.3f} "
             f"| {r['median']:.3f} | {r['max']:.3f} | {r['n']} |"
         )
+    notes = []
     for report in reports:
         for name, reason in report.get("missing", {}).items():
-            lines.append(f"- {report['suite']}: {name} missing ({reason}); DeepShard's own "
+            notes.append(f"- {report['suite']}: {name} missing ({reason}); DeepShard's own "
                          "figures are reported")  # fmt: skip
         if "failed" in report:
-            lines.append(f"- {report['suite']}: FAILED ({report['failed']})")
+            notes.append(f"- {report['suite']}: FAILED ({report['failed']})")
         elif report.get("exit"):
-            lines.append(f"- {report['suite']}: exited {report['exit']} (see its output)")
+            notes.append(f"- {report['suite']}: exited {report['exit']} (see its output)")
     return lines
 
 
@@ -166,7 +168,7 @@ def machine() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "load_average": round(os.getloadavg()[0], 2),
+        "load_average_at_start": round(os.getloadavg()[0], 2),
         "python": sys.version.split()[0],
         "torch": version("torch"),
         "deepspeed": version("deepspeed"),
@@ -177,15 +179,19 @@ def machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Runs the suites, prints the table, writes the JSON and docs; returns the exit status."""
     args = parse_args(argv)
-    host = machine()
-    with tempfile.TemporaryDirectory(prefix="bench-run-") as folder:
-        reports = [run_suite(s, args.quick, args.timeout, Path(folder)) for s in args.suites]
-    table = ratio_table(reports)
-    lines = table_lines(table, reports)
+    if args.from_json is not None:  # re-render a saved run (its machine, not this one)
+        result = json.loads(args.from_json.read_text())
+        reports = result["suites"]
+        result["note"] = args.note or result.get("note")
+    else:
+        host = machine()
+        with tempfile.TemporaryDirectory(prefix="bench-run-") as folder:
+            reports = [run_suite(s, args.quick, args.timeout, Path(folder)) for s in args.suites]
+        result = {"machine": host, "quick": args.quick, "note": args.note, "suites": reports}
+    result["table"] = ratio_table(reports)
+    lines = table_lines(result["table"], reports)
     print("\nDeepShard / competitor (lower is better; min/median/max over the paired rounds)")
     print("\n".join(lines))
-    result = {"machine": host, "quick": args.quick, "note": args.note, "table": table}
-    result["suites"] = reports
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")

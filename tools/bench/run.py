@@ -147,7 +147,7 @@ def table_lines(table: list[dict[str, Any]], reports: list[dict[str, Any]]) -> l
             notes.append(f"- {report['suite']}: FAILED ({report['failed']})")
         elif report.get("exit"):
             notes.append(f"- {report['suite']}: exited {report['exit']} (see its output)")
-    return lines
+    return [*lines, "", *notes] if notes else lines
 
 
 def machine() -> dict[str, Any]:

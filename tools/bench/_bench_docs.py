@@ -113,7 +113,10 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     spans = [[r["median"] - r["min"] for r in table], [r["max"] - r["median"] for r in table]]
     ax.errorbar(medians, range(len(table)), xerr=spans, fmt="o", capsize=3)
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_yticks(range(len(table)), [f"{r['suite']}: {r['ours']} / {r['theirs']}" for r in table])
+    ax.set_yticks(
+        range(len(table)),
+        [f"{r['suite']}: {r['ours']} / {r['theirs']} ({r['measure']})" for r in table],
+    )
     ax.tick_params(axis="y", labelsize=7)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(ScalarFormatter())
@@ -121,7 +124,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("DeepShard / competitor: median, min-max (< 1 is better)")
     ax.invert_yaxis()
     fig.suptitle(f"{result['machine']['cpu']}, {result['machine']['date']}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 0.98))  # room for the title
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -137,7 +140,9 @@ def _zero_panels(time_ax: Any, memory_ax: Any, points: dict[str, dict[str, Any]]
         memory = [by_stage[s][1] or 0.0 for s in present]
         memory_ax.bar(xs, memory, width, label=engine)
     for ax, what in ((time_ax, "best step [s]"), (memory_ax, "peak RSS growth [MiB/rank]")):
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(stages))], stages, fontsize=8)
+        ax.set_xticks(
+            [i + 0.4 - width / 2 for i in range(len(stages))], stages, fontsize=8, rotation=20
+        )
         ax.set_xlabel("ZeRO stage")
         ax.set_ylabel(what)
         ax.legend(fontsize=8)

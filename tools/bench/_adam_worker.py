@@ -121,6 +121,7 @@ def _row(
         "params": size,
         "threads": plan.threads,
         "seconds": statistics.median(t for run in runs for t in run["times"]),
+        "round_seconds": [statistics.median(run["times"]) for run in runs],
         "triad": triad,
         "cpu_per_wall": statistics.mean(run["cpu_per_wall"] for run in runs),
         "busy_threads": statistics.median_low(busy) if busy else None,

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+import _bench_json
 from _zero_lineup import PAIRINGS, Pairing
 
 Row = dict[str, Any]
@@ -121,3 +123,50 @@ def exit_status(rows: dict[str, Row], disagreements: list[str]) -> int:
     if disagreements:
         return EXIT_FAILED
     return EXIT_REFUSED if any("refused" in r for r in rows.values()) else EXIT_OK
+
+
+def write_json(
+    path: Path | None,
+    reports: dict[str, list[list[dict[str, Any]]]],
+    rows: dict[str, Row],
+    missing: dict[str, str],
+) -> None:
+    """The `run.py` report: each pairing's ratios (per round for step time) and the figures.
+
+    Every pair the report compares gets both measures: a round's step time is its fastest step,
+    as in the verdicts (one ratio per round); memory is one figure per row.
+    """
+    out = []
+    for ours, theirs in dict.fromkeys((p.ours, p.theirs) for p in PAIRINGS):
+        a, b = rows.get(ours), rows.get(theirs)
+        if a is None or b is None or "refused" in a or "refused" in b:
+            continue
+        best = [[min(ranks[0]["times"]) for ranks in reports[n]] for n in (ours, theirs)]
+        ratios = _bench_json.paired_ratios(best[0], best[1])
+        out.append(_bench_json.ratio_row(ours, theirs, _MEASURES["best_s"], ratios))
+        if a["rss_delta"] and b["rss_delta"]:
+            memory = [a["rss_delta"] / b["rss_delta"]]
+            out.append(_bench_json.ratio_row(ours, theirs, _MEASURES["rss_delta"], memory))
+    figures = {
+        name: {
+            "time_s": [t for ranks in reports[name] for t in ranks[0]["times"]],
+            "peak_mib": None if row["rss_delta"] is None else row["rss_delta"] / 2**20,
+            "stage": _stage(name),
+        }
+        for name, row in rows.items()
+        if "refused" not in row
+    }
+    missing = {
+        **missing,
+        **{n: f"refused: {r['refused']}" for n, r in rows.items() if "refused" in r},
+    }
+    _bench_json.write(path, "zero", out, figures, missing)
+
+
+def _stage(name: str) -> str:
+    """The ZeRO stage a row runs (``ddp`` is stage 0's baseline, ``fsdp2*`` stage 3's)."""
+    if name == "ddp":
+        return "0"
+    if name.startswith("fsdp2"):
+        return "3" + name.removeprefix("fsdp2")
+    return name.split("-", 1)[1]

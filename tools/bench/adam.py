@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import _bench_json
 from _adam_spec import DTYPES, HYPER_PARAMETERS, NAMES, bytes_per_param
 
 BANDWIDTH_TARGET = 0.80  # of STREAM triad, at sizes of at least _BANDWIDTH_TARGET_SIZE
@@ -88,6 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--skip-missing", action="store_true", help="exit 0 when a competitor cannot run here"
     )
+    parser.add_argument("--json", type=Path, help="also write the ratios as JSON (for run.py)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -231,7 +233,27 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]], load: float
     met = sum(line.endswith(": MET") for line in verdicts)
     missed = sum(": MISSED" in line for line in verdicts)
     print(f"targets: {met} MET, {missed} MISSED, {len(verdicts) - met - missed} NOT EVALUATED")
+    _write_json(args.json, rows, results)
     return _problems(args, results)
+
+
+def _write_json(
+    path: Path | None, rows: list[dict[str, Any]], results: list[dict[str, Any]]
+) -> None:
+    """Per size and thread count, DeepShard's round-by-round time over each competitor's."""
+    by_key = {(row["name"], row["params"], row["threads"]): row for row in rows}
+    ratios, figures = [], {}
+    for (name, params, threads), row in by_key.items():
+        where = f"{_fmt_count(params)} params, {_threads(threads)}"
+        figures[f"{name} {where}"] = {"time_s": row["round_seconds"], "peak_mib": None}
+        ours = by_key.get(("deepshard", params, threads))
+        if name == "deepshard" or ours is None:
+            continue
+        series = _bench_json.paired_ratios(ours["round_seconds"], row["round_seconds"])
+        ratios.append(_bench_json.ratio_row(f"deepshard {where}", f"{name} {where}",
+                                            "step time", series))  # fmt: skip
+    missing = {name: reason for result in results for name, reason in result["missing"].items()}
+    _bench_json.write(path, "adam", ratios, figures, missing)
 
 
 def _problems(args: argparse.Namespace, results: list[dict[str, Any]]) -> int:

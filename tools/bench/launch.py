@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import _bench_json
+
 LAUNCHERS = ("ds-launch", "torchrun")
 
 
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=180.0, help="seconds one launch may take (default 180)"
     )
+    parser.add_argument("--json", type=Path, help="also write the ratios as JSON (for run.py)")
     parser.add_argument("--as-rank", type=Path, help=argparse.SUPPRESS)
     # Launchers may append their own flags to the rank's arguments (e.g. --local_rank=N).
     args, _ = parser.parse_known_args(argv)
@@ -169,8 +172,19 @@ def main(argv: list[str] | None = None) -> int:
         f"launch bench: {args.nproc} ranks on this machine, {args.runs} launch(es) per launcher, "
         "alternating; latency = launcher start -> last rank past init_distributed (gloo)"
     )
-    print(summarise(run_bench(args.runs, args.nproc, args.timeout)))
+    launches = run_bench(args.runs, args.nproc, args.timeout)
+    print(summarise(launches))
+    _write_json(args.json, launches)
     return 0
+
+
+def _write_json(path: Path | None, launches: list[Launch]) -> None:
+    """The per-launcher latencies and the run-by-run ratios (launches alternate in pairs)."""
+    by = {name: [x.to_init_s for x in launches if x.launcher == name] for name in LAUNCHERS}
+    ratios = _bench_json.paired_ratios(by["ds-launch"], by["torchrun"])
+    rows = [_bench_json.ratio_row("ds-launch", "torchrun", "time to init", ratios)]
+    figures = {name: {"time_s": times, "peak_mib": None} for name, times in by.items()}
+    _bench_json.write(path, "launch", rows, figures)
 
 
 if __name__ == "__main__":

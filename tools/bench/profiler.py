@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import _bench_json
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -203,12 +206,30 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json", type=Path, help="also write the ratios as JSON (for run.py)")
     args = parser.parse_args()
     args.variants = args.variants.split(",")
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {','.join(VARIANTS)}")
+    args.missing = {}
+    if importlib.util.find_spec("deepspeed") is None:
+        args.missing["deepspeed"] = "deepspeed is not importable; install the bench group"
+        args.variants = [v for v in args.variants if v != "deepspeed"]
+        print(f"skipped: deepspeed ({args.missing['deepspeed']}); LeNet-5 is not compared")
     return args
+
+
+def _write_json(args: argparse.Namespace, rounds: list[dict[str, float]]) -> None:
+    """Round-by-round ratios of each DeepShard variant to every other profiler and to plain."""
+    rows = [
+        _bench_json.ratio_row(ours, theirs, "step time", [r[ours] / r[theirs] for r in rounds])
+        for ours in ("deepshard-fwd", "deepshard")
+        for theirs in ("deepspeed", "flop_counter", "plain")
+        if ours in rounds[0] and theirs in rounds[0]
+    ]
+    figures = {v: {"time_s": [r[v] for r in rounds], "peak_mib": None} for v in rounds[0]}
+    _bench_json.write(args.json, "profiler", rows, figures, args.missing)
 
 
 def main() -> int:
@@ -216,9 +237,13 @@ def main() -> int:
     device = torch.device(args.device)
     print(f"tiny Llama: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
           f"seq {args.seq}, {device}, torch {torch.__version__}")  # fmt: skip
-    met = _report_times(_race(args, device))
+    rounds = _race(args, device)
+    met = _report_times(rounds)
+    _write_json(args, rounds)
     for variant, flops in _forward_flops(args, device).items():
         print(f"forward FLOPs {variant:<16}{flops:>16,}")
+    if args.missing:  # the target needs DeepSpeed: not decided, not failed
+        return 0
     ours, theirs = _lenet()
     print(f"LeNet-5 (flops, macs, params): deepshard {ours}, deepspeed {theirs}")
     return 0 if met and ours == theirs else 1

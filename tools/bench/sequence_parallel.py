@@ -44,12 +44,24 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("DEEPSHARD_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import _bench_json
 import _sp_worker
 
 WORLD = 2
 ROWS = ("sp1", "sp1-tiled", "sp2", "sp2-tiled", "deepspeed-sp2")
 RANK_TIMEOUT_S = 600.0
 MIB = float(1 << 20)
+# (ours, theirs, row key, what, comparison, target): the ratios the report prints.
+CHECKS = (
+    ("sp2", "sp1", "peak", "activation peak", "<=", 0.55),
+    ("sp1-tiled", "sp1", "logits", "logits peak", "<=", 0.5),
+    ("sp2-tiled", "sp2", "logits", "logits peak", "<=", 0.5),
+    ("sp2-tiled", "sp1", "peak", "activation peak", None, None),
+    ("sp2", "sp1", "best", "step time", None, None),
+    ("sp2-tiled", "sp2", "best", "step time", None, None),
+    ("sp2", "deepspeed-sp2", "best", "step time", None, None),
+    ("sp2", "deepspeed-sp2", "peak", "activation peak", None, None),
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,6 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="timed steps (default 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 1)")
     parser.add_argument("--rows", help=f"a subset of {','.join(ROWS)}")
+    parser.add_argument("--json", type=Path, help="also write the ratios as JSON (for run.py)")
     args = parser.parse_args(argv)
     defaults = {"seq": 1024, "steps": 1, "warmup": 1} if args.quick else {}
     for key, value in {"seq": 8192, "steps": 2, "warmup": 1, **defaults}.items():
@@ -141,18 +154,8 @@ def _table(rows: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
-    checks = [
-        ("sp2", "sp1", "peak", "activation peak", "<=", 0.55),
-        ("sp1-tiled", "sp1", "logits", "logits peak", "<=", 0.5),
-        ("sp2-tiled", "sp2", "logits", "logits peak", "<=", 0.5),
-        ("sp2-tiled", "sp1", "peak", "activation peak", None, None),
-        ("sp2", "sp1", "best", "step time", None, None),
-        ("sp2-tiled", "sp2", "best", "step time", None, None),
-        ("sp2", "deepspeed-sp2", "best", "step time", None, None),
-        ("sp2", "deepspeed-sp2", "peak", "activation peak", None, None),
-    ]
     lines = []
-    for ours, theirs, key, what, _, target in checks:
+    for ours, theirs, key, what, _, target in CHECKS:
         a, b = rows.get(ours), rows.get(theirs)
         if a is None or b is None or "error" in a or "error" in b:
             continue
@@ -178,6 +181,19 @@ def _losses_agree(rows: dict[str, dict[str, Any]]) -> list[str]:
     return bad
 
 
+def _write_json(path: Path | None, rows: dict[str, dict[str, Any]]) -> None:
+    """Each printed ratio (one run, so one value each) and every row's own figures."""
+    ok = {name: row for name, row in rows.items() if "error" not in row}
+    ratios = [
+        _bench_json.ratio_row(ours, theirs, what, [ok[ours][key] / ok[theirs][key]])
+        for ours, theirs, key, what, _, _ in CHECKS
+        if ours in ok and theirs in ok and ok[theirs][key]
+    ]
+    figures = {n: {"time_s": [r["best"]], "peak_mib": r["peak"]} for n, r in ok.items()}
+    missing = {n: r["error"].splitlines()[0][:300] for n, r in rows.items() if "error" in r}
+    _bench_json.write(path, "sequence_parallel", ratios, figures, missing)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the rows and prints the report; returns the exit status."""
     args = parse_args(argv)
@@ -200,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in rows.items():
         if "error" in row:
             print(f"{name} could not run: {row['error'].splitlines()[0][:300]}")
+    _write_json(args.json, rows)
     disagreements = _losses_agree(rows)
     for line in disagreements:
         print(f"ERROR: {line}")

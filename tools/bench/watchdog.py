@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _bench_json
+
 VARIANTS = ("torch", "deepshard", "watchdog", "watchdog_via_logger")
 OPS = ("all_reduce", "all_reduce_async", "reduce_scatter_tensor")
 
@@ -112,6 +114,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="rounds per op")
     parser.add_argument("--world", type=int, default=2, choices=(1, 2), help="ranks")
     parser.add_argument("--numel", type=int, default=16, help="elements of the tensor (even)")
+    parser.add_argument("--json", type=Path, help="also write the ratios as JSON (for run.py)")
     parser.add_argument("--as-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,7 +136,26 @@ def main() -> None:
         outputs = [p.communicate(timeout=600)[0] for p in procs]
         if any(p.returncode for p in procs):
             sys.exit("a rank failed")
-    _print_table(json.loads(outputs[0].strip().splitlines()[-1]))
+    results = json.loads(outputs[0].strip().splitlines()[-1])
+    _print_table(results)
+    _write_json(args.json, results)
+
+
+def _write_json(path: Path | None, results: dict[str, dict[str, list[float]]]) -> None:
+    """Round-by-round ratios of each DeepShard variant to ``torch.distributed`` per op."""
+    rows, figures = [], {}
+    for op, by_variant in results.items():
+        for variant in VARIANTS:
+            figures[f"{variant} {op}"] = {
+                "time_s": [us * 1e-6 for us in by_variant[variant]],
+                "peak_mib": None,
+            }
+            if variant != "torch":
+                ratios = _bench_json.paired_ratios(by_variant[variant], by_variant["torch"])
+                rows.append(
+                    _bench_json.ratio_row(f"{variant} {op}", f"torch {op}", "time/call", ratios)
+                )
+    _bench_json.write(path, "watchdog", rows, figures)
 
 
 if __name__ == "__main__":

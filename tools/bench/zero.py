@@ -92,6 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--competitors", type=_names, help=f"a subset of the stages' rows: {','.join(BY_NAME)}"
     )
+    parser.add_argument("--json", type=Path, help="also write the ratios as JSON (for run.py)")
     args = parser.parse_args(argv)
     try:
         args.lineup = [
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {measured[0]['params'] / 1e6:.2f}M parameters, {args.dtype}")
     for line in _zero_report.table(rows) + _zero_report.verdicts(rows):
         print(line)
+    missing = {n: "deepspeed is not importable; install the bench group" for n in skipped}
+    _zero_report.write_json(args.json, reports, rows, missing)
     disagreements = _zero_report.loss_disagreements(rows, args.dtype)
     for line in disagreements:
         print(f"ERROR: {line}")

@@ -314,7 +314,7 @@ def save(
         keep_last,
         hooks,
         timeout_s,
-        HashThreads(),  # started here: the writer may run while the interpreter exits
+        HashThreads(1),  # started here: the writer may run while the interpreter exits
         max_file_bytes,
     )
     handle = SaveHandle(root / tag)

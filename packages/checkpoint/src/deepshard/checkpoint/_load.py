@@ -195,10 +195,14 @@ def _read_needed(
     with ThreadPoolExecutor(workers, "deepshard-checkpoint-verify") as pool:
         for file, blocks in sorted(needed.items()):
             expected = meta["files"][file]
-            digests = expected.get("block_sha256") if verify else None
+            digests: list[str] | None = expected.get("block_sha256") if verify else None
             if verify and digests is None:  # an early format-1 file without block digests
                 check_file(tag_dir / file, expected, checksum=True, version=1)
-            elif verify and version >= 2 and digest_of_blocks(digests) != expected["sha256"]:
+            elif (
+                digests is not None
+                and version >= 2
+                and digest_of_blocks(digests) != expected["sha256"]
+            ):
                 raise CheckpointError(
                     f"{tag_dir / METADATA}: the block digests of {file} do not match its "
                     "sha256: the metadata was modified; restore it or load another tag"

@@ -31,7 +31,6 @@ __all__ = [
     "BLOCK_BYTES",
     "DTYPE_CODES",
     "FileDigest",
-    "block_sha256",
     "bytes_of",
     "digest_of_blocks",
     "read_header",
@@ -208,13 +207,6 @@ def sha256_of(path: Path) -> FileDigest:
             digest.update(chunk)
             size += len(chunk)
     return FileDigest(digest.hexdigest(), size)
-
-
-def block_sha256(path: Path, index: int) -> str:
-    """The SHA-256 of block ``index`` of ``path`` (see `FileDigest.blocks`)."""
-    with open(path, "rb") as handle:
-        handle.seek(index * BLOCK_BYTES)
-        return hashlib.sha256(handle.read(BLOCK_BYTES)).hexdigest()
 
 
 def read_header(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:

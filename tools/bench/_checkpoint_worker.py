@@ -13,7 +13,8 @@ memory, for every competitor alike.
   rank's ``1/world`` of the flat fp32 master and moment buffers, `ShardMap.flat_buffer` maps,
   as ``ZeroOptimizer`` holds them), loaded into fresh buffers and checked equal, loaded again
   without checksums (to show what they cost); then the same save with ``async_save=True``,
-  timing how long it blocks.
+  timing how long it blocks, and once more with ``after=`` the first (a training run's later
+  saves, which reuse the first one's host buffers).
 * ``deepspeed``: DeepSpeed 0.19.7 ZeRO-2 on its CPU accelerator, one AdamW step, then
   ``save_checkpoint`` / ``load_checkpoint`` (which writes the weights once more, as a module copy).
 * ``dcp``: FSDP2 (``fully_shard`` per layer and the root), one AdamW step, then
@@ -178,12 +179,19 @@ def _deepshard(job: RankJob, shape: Shape, folder: Path) -> dict[str, Any]:
     handle.wait()
     async_total_s = time.perf_counter() - start
     dist.barrier()
+    # A training run's later saves: given the previous handle, it reuses its host buffers.
+    start = time.perf_counter()
+    again = save(state, folder / "async", tag="t2", group=None, async_save=True, after=handle)
+    steady_s = time.perf_counter() - start
+    again.wait()
+    dist.barrier()
     return {
         "save_s": save_s,
         "load_s": load_s,
         "bytes": _disk_bytes(folder / "sync"),
         "async_blocking_s": blocking_s,
         "async_total_s": async_total_s,
+        "async_steady_blocking_s": steady_s,
         "roundtrip_equal": equal,
         "load_unchecked_s": unchecked_s,
     }

@@ -120,7 +120,14 @@ def _race_one(ctx: Any, name: str, quick: bool, folder: Path) -> dict[str, Any]:
 def best(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The fastest round of each timed figure; the other fields from the last round."""
     row = dict(rounds[-1])
-    for key in ("save_s", "load_s", "load_unchecked_s", "async_blocking_s", "async_total_s"):
+    for key in (
+        "save_s",
+        "load_s",
+        "load_unchecked_s",
+        "async_blocking_s",
+        "async_total_s",
+        "async_steady_blocking_s",
+    ):
         if key in row:
             row[key] = min(r[key] for r in rounds)
     return row
@@ -173,6 +180,13 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
             f"deepshard async / sync: save blocking ratio {_verdict(ratio, ASYNC_TARGET, 'time')}"
             f" (blocked {row['async_blocking_s']:.3f} s, finished in {row['async_total_s']:.3f} s)"
         )
+        if "async_steady_blocking_s" in row:
+            ratio = row["async_steady_blocking_s"] / row["save_s"]
+            lines.append(
+                "deepshard later async saves (after=, buffers reused) / sync: blocking ratio "
+                f"{_verdict(ratio, ASYNC_TARGET, 'time')} "
+                f"(blocked {row['async_steady_blocking_s']:.3f} s)"
+            )
     return lines
 
 

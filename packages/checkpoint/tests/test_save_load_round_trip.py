@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -65,10 +66,13 @@ def test_files_are_standard_safetensors_and_metadata_is_complete(tmp_path: Path)
     assert torch.equal(plain["bias"], state["bias"])  # type: ignore[arg-type]
     meta = json.loads((tmp_path / "t" / "metadata.json").read_text())
     assert meta == read_metadata(tmp_path)
-    assert meta["format_version"] == 1 and meta["metadata"] == {"step": 11}
+    assert meta["format_version"] == 2 and meta["metadata"] == {"step": 11}
     assert meta["versions"]["torch"] == torch.__version__
     assert meta["files"][data_file.name]["size"] == data_file.stat().st_size
-    assert len(meta["files"][data_file.name]["sha256"]) == 64
+    # Format 2: one SHA-256 per 16 MiB block (one here), the file's digest is that of the list.
+    block = hashlib.sha256(data_file.read_bytes()).hexdigest()
+    assert meta["files"][data_file.name]["block_sha256"] == [block]
+    assert meta["files"][data_file.name]["sha256"] == hashlib.sha256(block.encode()).hexdigest()
     weight_map = ShardMap.from_json(meta["tensors"]["weight"]["shard_map"])
     assert weight_map.global_shape == (5, 3) and weight_map.dtype == "float32"
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["metadata.json", data_file.name]

@@ -6,8 +6,12 @@ import atexit
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deepshard.interface.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SaveHandle"]
 
@@ -24,6 +28,10 @@ class SaveHandle:
         """The tag directory the save publishes."""
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._host_buffers: list[torch.Tensor] = []
+        # The host snapshot of a background save: the next background save that waits for
+        # this one (``after=``) copies into these instead of allocating (and page-faulting)
+        # fresh memory every time.
 
     def done(self) -> bool:
         """Whether the save has finished (successfully or not)."""
@@ -45,6 +53,11 @@ class SaveHandle:
                 raise self._error
             raise CheckpointError(f"saving {self.path} failed: {self._error!r}") from self._error
         return self.path
+
+    def _take_buffers(self) -> list[torch.Tensor]:
+        """The host snapshot buffers, handed over once (call only after `wait`)."""
+        buffers, self._host_buffers = self._host_buffers, []
+        return buffers
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error

@@ -39,8 +39,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "deepshard-checkpoint"
-FORMAT_VERSION = 1
-"""Version of ``metadata.json``; readers refuse a newer one."""
+FORMAT_VERSION = 2
+"""Version of ``metadata.json``; readers refuse a newer one. 1: a file's ``sha256`` is the
+whole file's; 2: it is `digest_of_blocks` of its ``block_sha256`` (both still load)."""
 LATEST = "latest"
 METADATA = "metadata.json"
 TMP_PREFIX = ".tmp-"

@@ -1,17 +1,16 @@
 """``load`` into live shards (resharding on the fly) and consolidated loading in one process.
 
 A load first checks the files: every rank checks the size of every file, plans its copies,
-and hashes (on a thread pool) the 16 MiB blocks holding the bytes it will read, against the
-per-block SHA-256 the save recorded, so it verifies what it uses without reading the rest;
-then the ranks agree that all checks passed before anything is written into the caller's
-tensors. Filling is `_reshard`'s copies, read with ``safe_open(...).get_slice``, which maps the
-file and reads only the requested range. A final exchange makes an error on one rank an error
-on all of them.
+and reads the 16 MiB blocks holding the bytes it will use into host buffers, in large
+sequential reads, hashing each block as it arrives against the per-block SHA-256 the save
+recorded (`_block_read`), so it verifies exactly what it uses without reading the rest; then
+the ranks agree that all checks passed before anything is written into the caller's tensors.
+Filling is `_reshard`'s copies from views of those buffers (no second read of the file). A
+final exchange makes an error on one rank an error on all of them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -20,13 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
+from deepshard.checkpoint._block_read import Region, read_regions, stream_block_digests, view_of
 from deepshard.checkpoint._exchange import Members, all_gather_json, members_of
 from deepshard.checkpoint._handle import SaveHandle
-from deepshard.checkpoint._layout import read_metadata, resolve_tag_dir, tag_dir_of
+from deepshard.checkpoint._layout import METADATA, read_metadata, resolve_tag_dir, tag_dir_of
 from deepshard.checkpoint._reshard import Copy, apply_copies, plan_copies, source_ranges
-from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, block_sha256, read_header, sha256_of
+from deepshard.checkpoint._safetensors_io import (
+    BLOCK_BYTES,
+    digest_of_blocks,
+    read_header,
+    sha256_of,
+)
 from deepshard.checkpoint._types import LoadResult, ShardedTensor, StateValue, state_items
 from deepshard.comm import Group
 from deepshard.interface import ShardMap, ShardPiece
@@ -43,8 +47,14 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def check_file(path: Path, expected: Mapping[str, Any], *, checksum: bool) -> None:
-    """Raise `CheckpointError` naming ``path`` if it is missing, truncated or tampered with."""
+def check_file(
+    path: Path, expected: Mapping[str, Any], *, checksum: bool, version: int = 2
+) -> None:
+    """Raise `CheckpointError` naming ``path`` if it is missing, truncated or tampered with.
+
+    With ``checksum`` the whole file is read: format 1 compares its SHA-256, format 2 each
+    block's digest (and the block list's digest, so the metadata's list is checked too).
+    """
     try:
         size = path.stat().st_size
     except FileNotFoundError as exc:
@@ -54,7 +64,15 @@ def check_file(path: Path, expected: Mapping[str, Any], *, checksum: bool) -> No
             f"{path} has {size} bytes, the metadata says {expected['size']}: it is truncated "
             "or was replaced; restore it or load another tag"
         )
-    if checksum and sha256_of(path).sha256 != expected["sha256"]:
+    if not checksum:
+        return
+    if version >= 2:
+        blocks = stream_block_digests(path)
+        intact = blocks == list(expected["block_sha256"])
+        intact = intact and digest_of_blocks(blocks) == expected["sha256"]
+    else:
+        intact = sha256_of(path).sha256 == expected["sha256"]
+    if not intact:
         raise CheckpointError(
             f"{path} does not match its SHA-256 in the metadata: it is corrupt or was modified; "
             "restore it or load another tag"
@@ -62,28 +80,27 @@ def check_file(path: Path, expected: Mapping[str, Any], *, checksum: bool) -> No
 
 
 class _Reader:
-    """Opens each data file once and reads flat ranges of its entries."""
+    """Reads flat ranges of entries from the regions `read_regions` brought into memory."""
 
-    def __init__(self, tag_dir: Path, stack: contextlib.ExitStack) -> None:
+    def __init__(self, tag_dir: Path, regions: Mapping[str, list[Region]]) -> None:
         self.tag_dir = tag_dir
-        self.stack = stack
-        self.handles: dict[str, Any] = {}
+        self.regions = regions
+        self.headers: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}
 
-    def reader(self, name: str, files: Mapping[str, str]) -> Any:
+    def reader(self, task: _Task) -> Any:
         def read(rank: int, start: int, stop: int) -> torch.Tensor:
-            file = files.get(str(rank))
+            file = task.files.get(str(rank))
             if file is None:
-                raise CheckpointError(f"{name}: the metadata names no file for rank {rank}'s shard")
-            try:
-                if file not in self.handles:
-                    opened = safe_open(self.tag_dir / file, framework="pt")
-                    self.handles[file] = self.stack.enter_context(opened)
-                data: torch.Tensor = self.handles[file].get_slice(name)[start:stop]
-                return data
-            except (SafetensorError, OSError) as exc:
                 raise CheckpointError(
-                    f"{self.tag_dir / file}: cannot read {name!r} ({exc}); the file is damaged"
-                ) from exc
+                    f"{task.name}: the metadata names no file for rank {rank}'s shard"
+                )
+            if file not in self.headers:
+                self.headers[file] = read_header(self.tag_dir / file)
+            data_start, spans = self.headers[file]
+            begin = data_start + spans[task.name][0] + start * task.itemsize
+            end = begin + (stop - start) * task.itemsize
+            where = str(self.tag_dir / file)
+            return view_of(self.regions.get(file, []), begin, end, task.dtype, where)
 
         return read
 
@@ -125,7 +142,12 @@ class _Task:
     dest: torch.Tensor
     copies: list[Copy]
     files: dict[str, str]
-    itemsize: int
+    dtype: torch.dtype
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per saved element."""
+        return self.dtype.itemsize
 
 
 def _plan(meta: Mapping[str, Any], items: list[tuple[str, StateValue]], rank: int) -> list[_Task]:
@@ -137,8 +159,7 @@ def _plan(meta: Mapping[str, Any], items: list[tuple[str, StateValue]], rank: in
         dest, target, target_rank, linear = _target(name, value, rank)
         saved = ShardMap.from_json(entry["shard_map"])
         copies = plan_copies(name, saved, target, target_rank, linear)
-        itemsize = torch_dtype(saved.dtype).itemsize
-        tasks.append(_Task(name, dest, copies, dict(entry["files"]), itemsize))
+        tasks.append(_Task(name, dest, copies, dict(entry["files"]), torch_dtype(saved.dtype)))
     return tasks
 
 
@@ -164,34 +185,45 @@ def _needed_blocks(tag_dir: Path, tasks: list[_Task]) -> dict[str, set[int]]:
     return needed
 
 
-def _check_blocks(tag_dir: Path, meta: Mapping[str, Any], needed: dict[str, set[int]]) -> None:
-    jobs = [(file, index) for file, blocks in sorted(needed.items()) for index in sorted(blocks)]
-    workers = max(1, min(8, os.cpu_count() or 1, len(jobs)))
+def _read_needed(
+    tag_dir: Path, meta: Mapping[str, Any], needed: dict[str, set[int]], *, verify: bool
+) -> dict[str, list[Region]]:
+    """The needed blocks of every file, read and (with ``verify``) checked against the metadata."""
+    out: dict[str, list[Region]] = {}
+    version = int(meta["format_version"])
+    workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, "deepshard-checkpoint-verify") as pool:
-        digests = pool.map(lambda job: block_sha256(tag_dir / job[0], job[1]), jobs)
-        for (file, index), digest in zip(jobs, digests, strict=True):
-            expected = meta["files"][file]["block_sha256"]
-            if index >= len(expected) or digest != expected[index]:
-                start = index * BLOCK_BYTES
+        for file, blocks in sorted(needed.items()):
+            expected = meta["files"][file]
+            digests: list[str] | None = expected.get("block_sha256") if verify else None
+            if verify and digests is None:  # an early format-1 file without block digests
+                check_file(tag_dir / file, expected, checksum=True, version=1)
+            elif (
+                digests is not None
+                and version >= 2
+                and digest_of_blocks(digests) != expected["sha256"]
+            ):
                 raise CheckpointError(
-                    f"{tag_dir / file} does not match its SHA-256 in the metadata (bytes "
-                    f"[{start}, {start + BLOCK_BYTES})): it is corrupt or was modified; restore "
-                    "it or load another tag"
+                    f"{tag_dir / METADATA}: the block digests of {file} do not match its "
+                    "sha256: the metadata was modified; restore it or load another tag"
                 )
+            out[file] = read_regions(tag_dir / file, blocks, int(expected["size"]), digests, pool)
+    return out
 
 
 def _check_files(tag_dir: Path, meta: Mapping[str, Any], *, checksum: bool) -> None:
     for file, expected in sorted(meta["files"].items()):
-        check_file(tag_dir / file, expected, checksum=checksum)
+        version = int(meta["format_version"])
+        check_file(tag_dir / file, expected, checksum=checksum, version=version)
 
 
-def _apply(tag_dir: Path, tasks: list[_Task]) -> int:
-    """Perform the tasks' copies; return the number of tensor bytes read."""
+def _apply(tag_dir: Path, tasks: list[_Task], regions: Mapping[str, list[Region]]) -> int:
+    """Perform the tasks' copies from ``regions``; return the number of tensor bytes read."""
     bytes_read = 0
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        reader = _Reader(tag_dir, stack)
+    reader = _Reader(tag_dir, regions)
+    with torch.no_grad():
         for task in tasks:
-            elements = apply_copies(task.dest, task.copies, reader.reader(task.name, task.files))
+            elements = apply_copies(task.dest, task.copies, reader.reader(task))
             bytes_read += elements * task.itemsize
     return bytes_read
 
@@ -252,13 +284,15 @@ def load(
         found["keys"] = _keys(found["meta"], [n for n, _ in items], strict)
         _check_files(found["dir"], found["meta"], checksum=False)
         found["tasks"] = _plan(found["meta"], items, members.rank)
-        if verify_checksums:
-            _check_blocks(found["dir"], found["meta"], _needed_blocks(found["dir"], found["tasks"]))
+        needed = _needed_blocks(found["dir"], found["tasks"])
+        found["regions"] = _read_needed(
+            found["dir"], found["meta"], needed, verify=verify_checksums
+        )
 
     _agree(members, _attempt(check), "the checkpoint checks", timeout_s)
 
     def fill() -> None:
-        found["read"] = _apply(found["dir"], found["tasks"])
+        found["read"] = _apply(found["dir"], found["tasks"], found.pop("regions"))
 
     _agree(members, _attempt(fill), "the end of loading", timeout_s)
     missing, unexpected = found["keys"]
@@ -278,10 +312,12 @@ def load_state_dict_from_checkpoint(
     """
     tag_dir = tag_dir_of(path_or_dir, tag)
     meta = read_metadata(tag_dir)
-    _check_files(tag_dir, meta, checksum=verify_checksums)
+    _check_files(tag_dir, meta, checksum=False)
     out: dict[str, torch.Tensor] = {}
     for name, entry in sorted(meta["tensors"].items()):
         smap = entry["shard_map"]
         out[name] = torch.empty(tuple(smap["global_shape"]), dtype=torch_dtype(smap["dtype"]))
-    _apply(tag_dir, _plan(meta, list(out.items()), 0))
+    tasks = _plan(meta, list(out.items()), 0)
+    needed = {f: set(range(-(-int(e["size"]) // BLOCK_BYTES))) for f, e in meta["files"].items()}
+    _apply(tag_dir, tasks, _read_needed(tag_dir, meta, needed, verify=verify_checksums))
     return out

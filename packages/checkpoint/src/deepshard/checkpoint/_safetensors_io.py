@@ -4,10 +4,11 @@ A safetensors file is an 8-byte little-endian header length, a JSON header (each
 dtype, shape and ``[begin, end)`` byte offsets into the data section; padded with spaces to a
 multiple of 8 bytes) and the tensors' raw bytes. Writing it here rather than through
 ``safetensors.torch.save_file`` lets the writer stream each tensor straight from its memory
-(no second copy of the whole file in RAM), compute the file's SHA-256 as it goes, fsync it,
-and tell the save hooks when it is half written. Reading uses the ``safetensors`` library
-(``safe_open(...).get_slice``), which maps the file and reads only the ranges asked for, and
-proves the files are standard.
+(no second copy of the whole file in RAM), hash the bytes in the same pass that writes them
+(one SHA-256 per `BLOCK_BYTES` block, on a helper thread, so every byte is hashed once), fsync
+it, and tell the save hooks when it is half written. The file's own digest is the SHA-256 of
+its block digests (`digest_of_blocks`), so no second whole-file hash is needed; a reader
+verifies exactly the blocks it reads (`_block_read`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ __all__ = [
     "BLOCK_BYTES",
     "DTYPE_CODES",
     "FileDigest",
-    "block_sha256",
+    "bytes_of",
+    "digest_of_blocks",
     "read_header",
     "sha256_of",
     "write_safetensors",
@@ -61,7 +63,7 @@ class FileDigest(NamedTuple):
     """The SHA-256 and size of a written file.
 
     Attributes:
-        sha256: The hex digest of the whole file.
+        sha256: The hex digest of the file: `digest_of_blocks` of ``blocks`` (format 2).
         size: Its length in bytes.
         blocks: The SHA-256 of each `BLOCK_BYTES` block from the file's start (the last may
             be shorter), so that a reader can check just the blocks it reads.
@@ -72,7 +74,7 @@ class FileDigest(NamedTuple):
     blocks: tuple[str, ...] = ()
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
+def bytes_of(tensor: torch.Tensor) -> memoryview:
     # ctypes over the tensor's own memory: no numpy (not a dependency) and no copy; the caller
     # keeps the tensor alive while the view is used.
     nbytes = tensor.numel() * tensor.element_size()
@@ -126,13 +128,18 @@ class _BlockHasher:
         return self.digests
 
 
+def digest_of_blocks(blocks: Sequence[str]) -> str:
+    """A file's digest from its block digests: SHA-256 of their hex strings, joined by commas."""
+    return hashlib.sha256(",".join(blocks).encode()).hexdigest()
+
+
 def _chunks(entries: Sequence[tuple[str, torch.Tensor]], half: int) -> Iterator[memoryview | None]:
     """The data section in chunks of at most ``_CHUNK`` bytes; ``None`` once ``half`` is reached."""
     written = 0
     if half == 0:
         yield None
     for _, tensor in entries:
-        view = _bytes_of(tensor)
+        view = bytes_of(tensor)
         start = 0
         while start < len(view):
             # Stop a chunk at the half-way byte so the hook sees a genuinely partial file.
@@ -155,21 +162,22 @@ def write_safetensors(
 ) -> FileDigest:
     """Write CPU, contiguous ``entries`` to ``path``, fsync it, and return its digests.
 
-    With ``hashers``, two helper threads hash each chunk (the whole file, and its blocks)
-    while this thread writes it; hashlib and file writes release the GIL, so the three overlap.
+    With ``hashers``, a helper thread hashes each chunk into its blocks while this thread
+    writes it (hashlib and file writes release the GIL, so the two overlap); every byte is
+    read from memory once per consumer: one hash, one write.
 
     Args:
         path: The file to create (it must not exist).
         entries: ``(key, tensor)`` pairs in file order.
         halfway: Called once when half of the data is written (a save hook).
-        hashers: At least two `HashThreads` (else hashing runs on this thread).
+        hashers: `HashThreads` to hash on (else hashing runs on this thread).
     """
     for name, tensor in entries:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise CheckpointError(f"{name}: internal error, tensor to write is not contiguous CPU")
     header = _header(entries)
     total = sum(t.numel() * t.element_size() for _, t in entries)
-    whole, blocks = hashlib.sha256(), _BlockHasher()
+    blocks = _BlockHasher()
     with open(path, "xb") as handle:
         head = struct.pack("<Q", len(header)) + header
         for chunk in (head, *_chunks(entries, total // 2 if halfway is not None else -1)):
@@ -178,16 +186,16 @@ def write_safetensors(
                 halfway()  # type: ignore[misc]  # chunks are None only when halfway is set
                 continue
             if hashers is None:
-                whole.update(chunk)
                 blocks.feed(chunk)
                 handle.write(chunk)
                 continue
-            wait = hashers.start([(whole.update, chunk), (blocks.feed, chunk)])
+            wait = hashers.start([(blocks.feed, chunk)])
             handle.write(chunk)
             wait()
         handle.flush()
         os.fsync(handle.fileno())
-    return FileDigest(whole.hexdigest(), len(head) + total, tuple(blocks.finish()))
+    digests = tuple(blocks.finish())
+    return FileDigest(digest_of_blocks(digests), len(head) + total, digests)
 
 
 def sha256_of(path: Path) -> FileDigest:
@@ -199,13 +207,6 @@ def sha256_of(path: Path) -> FileDigest:
             digest.update(chunk)
             size += len(chunk)
     return FileDigest(digest.hexdigest(), size)
-
-
-def block_sha256(path: Path, index: int) -> str:
-    """The SHA-256 of block ``index`` of ``path`` (see `FileDigest.blocks`)."""
-    with open(path, "rb") as handle:
-        handle.seek(index * BLOCK_BYTES)
-        return hashlib.sha256(handle.read(BLOCK_BYTES)).hexdigest()
 
 
 def read_header(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:

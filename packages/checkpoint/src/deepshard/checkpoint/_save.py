@@ -290,8 +290,10 @@ def save(
     Raises:
         CheckpointError: Bad state, tag or metadata, or a failure on any rank.
     """
+    reuse: list[torch.Tensor] = []
     if after is not None:
         after.wait()
+        reuse = after._take_buffers()
     tag = check_tag(tag)
     items = state_items(state)
     document = _check_metadata(metadata)
@@ -302,7 +304,7 @@ def save(
     members = members_of(group)
     root = Path(save_dir)
     tmp_dir = _start(root, tag, members, timeout_s)
-    plan = _snapshot(plan_rank(items, members.rank), copy=async_save)
+    plan = _snapshot(plan_rank(items, members.rank), copy=async_save, reuse=reuse)
     job = _Job(
         members,
         root,
@@ -314,11 +316,12 @@ def save(
         keep_last,
         hooks,
         timeout_s,
-        HashThreads(),  # started here: the writer may run while the interpreter exits
+        HashThreads(1),  # started here: the writer may run while the interpreter exits
         max_file_bytes,
     )
     handle = SaveHandle(root / tag)
     if async_save:
+        handle._host_buffers = [t for _, t in plan.entries]
         atexit.register(handle._wait_at_exit)
         threading.Thread(
             target=_in_background, args=(job, handle), name="deepshard-checkpoint-save", daemon=True
@@ -328,12 +331,29 @@ def save(
     return handle
 
 
-def _snapshot(plan: RankPlan, *, copy: bool) -> RankPlan:
-    """The plan with its tensors as contiguous CPU memory, copied if ``copy`` (background)."""
+def _snapshot(plan: RankPlan, *, copy: bool, reuse: list[torch.Tensor]) -> RankPlan:
+    """The plan with its tensors as contiguous CPU memory, copied if ``copy`` (background).
+
+    A copy goes into ``reuse`` (the previous background save's buffers) when they match the
+    entries one for one, else into fresh buffers, pinned when the source is on a CUDA device
+    (a faster transfer); either way one copy per tensor.
+    """
     if not copy and all(t.device.type == "cpu" and t.is_contiguous() for _, t in plan.entries):
         return plan
-    entries = [(k, t.to("cpu", copy=True).contiguous()) for k, t in plan.entries]
+    if not copy or not _matches(reuse, plan.entries):
+        reuse = [
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+            for _, t in plan.entries
+        ]
+    entries = [(k, buffer.copy_(t)) for (k, t), buffer in zip(plan.entries, reuse, strict=True)]
     return RankPlan(entries, plan.pieces, plan.shapes)
+
+
+def _matches(buffers: list[torch.Tensor], entries: list[tuple[str, torch.Tensor]]) -> bool:
+    return len(buffers) == len(entries) and all(
+        b.shape == t.shape and b.dtype == t.dtype
+        for b, (_, t) in zip(buffers, entries, strict=True)
+    )
 
 
 def _run_and_agree(job: _Job, handle: SaveHandle) -> None:

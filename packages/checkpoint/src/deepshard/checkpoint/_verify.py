@@ -74,7 +74,7 @@ def verify(path: str | os.PathLike[str], tag: str | None = None) -> VerifyReport
     sizes: dict[str, dict[str, int]] = {}
     for file, expected in sorted(meta["files"].items()):
         try:
-            check_file(tag_dir / file, expected, checksum=True)
+            check_file(tag_dir / file, expected, checksum=True, version=int(meta["format_version"]))
             sizes[file] = _entry_sizes(tag_dir, file)
         except (CheckpointError, SafetensorError, OSError) as exc:
             problems.append(str(exc))

@@ -1,5 +1,6 @@
-"""No code under packages/ unpickles: no `import pickle`, no `pickle.load`, and every
-`torch.load(` call passes `weights_only=True`."""
+"""No code under packages/ unpickles: no `pickle.load`/`loads`/`Unpickler`, and every
+`torch.load(` call passes `weights_only=True` (importing `pickle` for its exception type, as
+the DeepSpeed reader does to catch `UnpicklingError`, unpickles nothing)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ PACKAGES = Path(__file__).resolve().parents[2]
 # Test-only code that pickles its own objects, never a checkpoint: deepshard.testing passes the
 # rank function's arguments and results between the processes it starts (production code may
 # not import it: the import-linter "test-only" contract), and two tests check that errors and
-# the rank payload survive the pickling multiprocessing does.
+# the rank payload survive the pickling multiprocessing does. The malicious-pickle test loads
+# its own payload once unrestricted, to show the payload is live (so the refusal means
+# something).
 ALLOWED = {
+    "checkpoint/tests/test_import_deepspeed_refuses_pickles.py",
     "testing/src/deepshard/testing/_rank_main.py",
     "testing/src/deepshard/testing/_run_on_mesh.py",
     "testing/tests/test_run_on_mesh_rendezvous_retry.py",
@@ -20,7 +24,9 @@ ALLOWED = {
 _THIS = Path(__file__).resolve()
 
 _PICKLE = re.compile(
-    r"^\s*(import pickle|from pickle import|import cPickle)|pickle\.loads?\(", re.M
+    r"\bpickle\.(loads?|Unpickler)\b|^\s*from pickle import .*\b(loads?|Unpickler)\b"
+    r"|^\s*import cPickle",
+    re.M,
 )
 _TORCH_LOAD = re.compile(r"torch\.load\(")
 
@@ -38,7 +44,9 @@ def _torch_load_calls(text: str) -> list[str]:
 
 
 def test_scanner_catches_what_it_should() -> None:
-    assert _PICKLE.search("import pickle\n") and _PICKLE.search("x = pickle.load(f)")
+    assert _PICKLE.search("x = pickle.load(f)") and _PICKLE.search("from pickle import loads\n")
+    assert _PICKLE.search("pickle.Unpickler(f).load()")
+    assert not _PICKLE.search("except pickle.UnpicklingError:")
     bad, good = (
         _torch_load_calls("torch.load(f, map_location=dev(1))"),
         "torch.load(f, weights_only=True)",

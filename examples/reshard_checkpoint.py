@@ -4,8 +4,9 @@
 
 Trains a tiny Llama 4 steps at ZeRO-2 on 2 ranks and saves; a fresh engine at ZeRO-3 (another
 partitioning of parameters, masters and Adam moments) loads that checkpoint directly and keeps
-training: its first loss is below the last ZeRO-2 one (fresh weights would start at ~5.5). Offline, ``ds-checkpoint reshard DIR OUT --dp N
---stage S`` rewrites a checkpoint for another world size or stage.
+training: its first loss is below the last ZeRO-2 one (fresh weights would start at ~5.5).
+Offline, ``ds-checkpoint reshard DIR OUT --dp N --stage S`` rewrites a checkpoint for another
+world size or stage.
 """
 
 from __future__ import annotations

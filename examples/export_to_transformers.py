@@ -24,7 +24,7 @@ import torch.distributed as dist
 import deepshard.engine as ds
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM
 
 SEQ = 32
 
@@ -35,9 +35,12 @@ def main() -> None:
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=SEQ, tie_word_embeddings=False)  # fmt: skip
-    ds_config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1_000_000,
-                 "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 1_000_000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     engine = ds.initialize(model=LlamaForCausalLM(config), config=ds_config).engine
     text = torch.frombuffer(bytearray(Path(__file__).read_bytes()), dtype=torch.uint8).long()
     ids = text[: 2 * SEQ].view(2, SEQ)

@@ -18,7 +18,7 @@ import torch
 import deepshard.engine as ds
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM
 
 STEPS, SEQ = 6, 32
 CONFIG = {

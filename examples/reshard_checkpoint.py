@@ -22,7 +22,7 @@ import torch.distributed as dist
 import deepshard.engine as ds
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM
 
 SEQ = 32
 

@@ -45,7 +45,8 @@ def main() -> None:
     text = torch.frombuffer(bytearray(Path(__file__).read_bytes()), dtype=torch.uint8).long()
     ids = text[: 2 * SEQ].view(2, SEQ)
     for _ in range(3):
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        on_device = ids.to(engine.device)
+        engine.backward(engine(input_ids=on_device, labels=on_device).loss)
         engine.step()
     box = [tempfile.mkdtemp() if engine.global_rank == 0 else ""]  # one folder for every rank
     dist.broadcast_object_list(box, src=0)

@@ -41,7 +41,7 @@ def build(stage: int) -> ds.DeepShardEngine:
 
 def train(engine: ds.DeepShardEngine, ids: torch.Tensor, steps: int) -> list[float]:
     """``steps`` optimizer steps on the fixed batch ``ids``; the losses."""
-    losses = []
+    losses, ids = [], ids.to(engine.device)
     for _ in range(steps):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)

@@ -37,6 +37,7 @@ from typing import Any
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("DEEPSHARD_ACCELERATOR", "cpu")
 
+import _bench_json
 import _checkpoint_worker  # (after the environment above: it must be set before torch loads)
 
 WORLD = 2
@@ -65,6 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=list(NAMES),
         help=f"a subset of {','.join(NAMES)}",
     )
+    parser.add_argument("--json", type=Path, help="also write the ratios as JSON (for run.py)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.competitors) - set(NAMES))
     if unknown:
@@ -190,13 +192,40 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def write_json(
+    path: Path | None, reports: dict[str, list[dict[str, Any]]], missing: dict[str, str]
+) -> None:
+    """Each target's time ratio per round (save and load; lower is better) and every row's own
+    save times, in `_bench_json`'s shape for `run.py`."""
+    rows = [
+        _bench_json.ratio_row(
+            ours,
+            theirs,
+            f"{measure.removesuffix('_s')} time",
+            _bench_json.paired_ratios(
+                [r[measure] for r in reports[ours]], [r[measure] for r in reports[theirs]]
+            ),
+        )
+        for ours, theirs, measure, _, _ in TARGETS
+        if reports.get(ours) and reports.get(theirs)
+    ]
+    figures = {
+        name: {"time_s": [r["save_s"] for r in rounds], "peak_mib": None, "measure": "save"}
+        for name, rounds in reports.items()
+        if rounds
+    }
+    _bench_json.write(path, "checkpoint", rows, figures, missing)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the race and prints the report; returns the exit status."""
     args = parse_args(argv)
     names = list(args.competitors)
+    missing: dict[str, str] = {}
     if "deepspeed" in names and importlib.util.find_spec("deepspeed") is None:
         names.remove("deepspeed")
-        print("skipped: deepspeed (deepspeed is not importable; install the bench group)")
+        missing["deepspeed"] = "deepspeed is not importable; install the bench group"
+        print(f"skipped: deepspeed ({missing['deepspeed']})")
     ctx = multiprocessing.get_context("forkserver")
     preload = ["torch", "torch.distributed", "torch.distributed.checkpoint", "_checkpoint_worker"]
     preload += ["deepshard.checkpoint._save", "deepshard.checkpoint._load"]
@@ -221,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {name: best(reports[name]) for name in names}
     for line in table(rows) + verdicts(rows):
         print(line)
+    write_json(args.json, reports, missing)
     if "deepshard" in rows and not rows["deepshard"]["roundtrip_equal"]:
         print("ERROR: deepshard's loaded state differs from what it saved")
         return 1

@@ -65,6 +65,7 @@ SUITES = (
     Suite("launch", "launch.py", ("--runs", "5"), ("--runs", "1")),
     Suite("watchdog", "watchdog.py", (), ("--calls", "10", "--rounds", "3")),
     Suite("sequence_parallel", "sequence_parallel.py", (), ("--quick",)),
+    Suite("checkpoint", "checkpoint.py", (), ("--quick",)),
 )  # fmt: skip
 BY_NAME = {suite.name: suite for suite in SUITES}
 

@@ -1,7 +1,6 @@
 """``ds-launch --elastic_training``: the torchrun agents' arguments and the refusals, as data.
 
-(A real 2 -> 1 node relaunch test is not here yet: on the shared, overloaded 2-core machine
-the two agents and workers never got through their first rendezvous within 4 minutes.)
+The real 2 -> 1 node relaunch is `test_elastic_training_relaunches_on_fewer_nodes.py`.
 """
 
 from __future__ import annotations

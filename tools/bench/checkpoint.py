@@ -144,7 +144,7 @@ def table(rows: dict[str, dict[str, Any]]) -> list[str]:
     for name, row in rows.items():
         gb = row["bytes"] / 1e9
         lines.append(
-            f"| {name} | {row['save_s']:.4f} | {gb / row['save_s']:.3f} | {row['load_s']:.4f} "
+            f"| {name} | {row['save_s']:.6f} | {gb / row['save_s']:.3f} | {row['load_s']:.6f} "
             f"| {gb / row['load_s']:.3f} | {row['bytes'] / 1e6:.3f} |"
         )
     return lines

@@ -1,0 +1,25 @@
+"""Automatic tensor parallelism (AutoTP) for Hugging Face-style models.
+
+A model's plan (`TPPlan`: one `LayerPlan` per module that TP touches, with its style and the
+rows each rank holds) is chosen from, in priority order, explicit ``partition_config`` layer
+specs and ``preset_model`` presets, the model's Hugging Face ``tp_plan``, and a structural
+heuristic. Shard sizes follow the model's KV-head groups (`AutoTPMeta`, read per model from its
+config) or a ``tp_grain_size`` grain. Planning is pure: it reads the model and returns data.
+"""
+
+from __future__ import annotations
+
+from deepshard.autotp._meta import AutoTPMeta
+from deepshard.autotp._plan_types import LayerPlan, Style, TPPlan
+from deepshard.autotp._sizes import grain_split, kv_group_split, split_sizes, sub_parameter_sizes
+
+__all__ = [
+    "AutoTPMeta",
+    "LayerPlan",
+    "Style",
+    "TPPlan",
+    "grain_split",
+    "kv_group_split",
+    "split_sizes",
+    "sub_parameter_sizes",
+]

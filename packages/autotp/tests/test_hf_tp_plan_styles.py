@@ -30,7 +30,7 @@ def _model(instance_plan: dict[str, str]) -> _Planned:
         "layers.*.self_attention.query_key_value": "local_colwise",
         "layers.*.self_attention.dense": "local_rowwise",
         "layers.*.mlp.dense_h_to_4h": "colwise",
-        "layers.*.mlp.dense_4h_to_h": "rowwise_rep",
+        "layers.*.mlp.dense_4h_to_h": "rowwise",
         "embed_tokens": "embedding_rowwise",
     }
     vars(model)["_tp_plan"] = instance_plan
@@ -69,8 +69,9 @@ def test_a_norm_marked_replicated_with_grad_allreduce() -> None:
 
 
 def test_an_unknown_style_names_the_partition_config_key() -> None:
-    model = _model({"model.layers.*.mlp.dense_4h_to_h": "sequence_parallel"})
-    with pytest.raises(ConfigError, match="sequence_parallel") as caught:
-        make_plan(model, 2)
-    assert caught.value.problems[0][0] == "tensor_parallel.partition_config"
+    for style in ("sequence_parallel", "rowwise_rep"):
+        model = _model({"model.layers.*.mlp.dense_4h_to_h": style})
+        with pytest.raises(ConfigError, match=style) as caught:
+            make_plan(model, 2)
+        assert caught.value.problems[0][0] == "tensor_parallel.partition_config"
     assert hf_tp_plan(SimpleNamespace()) == {}  # type: ignore[arg-type]

@@ -8,8 +8,8 @@
   device, any floating dtype) that `fused_adam_step` falls back to and
   deepshard-optimizers' ``impl="foreach"`` runs.
 - `fused_weighted_sum`: a mixture-of-experts layer's combine (expert-sorted rows back into
-  weighted token rows, fp32 accumulation) in one pass, differentiable; pure-torch twin
-  `reference_fused_weighted_sum` (no compiled kernel yet: every device runs the twin).
+  weighted token rows, fp32 accumulation) in one pass, differentiable; Triton kernels on CUDA
+  tensors, the pure-torch twin `reference_fused_weighted_sum` everywhere else.
 
 Every op is a ``torch.library`` custom op (``deepshard::...``), so it composes with
 ``torch.compile``. Importing this package loads no extension; the first call does, and if the

@@ -17,13 +17,17 @@ The backward is the same gather read the other way round:
 
 Rows no token refers to (padding) get a zero gradient. Both directions are ``torch.library``
 custom ops (``deepshard::fused_weighted_sum`` and ``deepshard::fused_weighted_sum_backward``)
-with fake implementations, so they trace under ``torch.compile``. This module holds their
-pure-torch twins, which run on every device; no compiled kernel is registered yet, so CUDA
-tensors run the twin too (a kernel would register a ``"cuda"`` implementation of the same ops).
+with fake implementations, so they trace under ``torch.compile``. On CUDA tensors both run
+Triton kernels (``_weighted_sum_triton``, imported at the first CUDA call); everywhere else, and
+on CUDA when Triton cannot be imported (after one warning), the pure-torch twins here run.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import warnings
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -115,6 +119,45 @@ def _weighted_sum_backward_fake(
     grad_out: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor, index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(rows), torch.empty_like(scores)
+
+
+@_weighted_sum_op.register_kernel("cuda")
+def _weighted_sum_cuda(
+    rows: torch.Tensor, scores: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    triton_kernels = _triton_kernels()
+    if triton_kernels is None:
+        return _twin_forward(rows, scores, index)
+    out: torch.Tensor = triton_kernels.forward(rows, scores, index)
+    return out
+
+
+@_weighted_sum_backward_op.register_kernel("cuda")
+def _weighted_sum_backward_cuda(
+    grad_out: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    triton_kernels = _triton_kernels()
+    if triton_kernels is None:
+        return _twin_backward(grad_out, rows, scores, index)
+    grads: tuple[torch.Tensor, torch.Tensor] = triton_kernels.backward(
+        grad_out, rows, scores, index
+    )
+    return grads
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    """The Triton kernels module, or None after one warning saying why it cannot load."""
+    try:
+        return importlib.import_module("deepshard.kernels._weighted_sum_triton")
+    except ImportError as exc:
+        warnings.warn(
+            f"fused_weighted_sum: Triton is unavailable ({exc}), so CUDA tensors use the "
+            "pure-torch twin; install triton (it comes with PyTorch's Linux CUDA wheels)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 def _setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:

@@ -28,7 +28,11 @@ from deepshard.kernels._fused_adam import fused_adam_status, fused_adam_step
 from deepshard.kernels._reference import reference_adam_step, reference_lion_step
 from deepshard.kernels._report import KernelReport, OpReport, kernel_report
 from deepshard.kernels._simd import active_simd_path, available_simd_paths, use_simd_path
-from deepshard.kernels._weighted_sum import fused_weighted_sum, reference_fused_weighted_sum
+from deepshard.kernels._weighted_sum import (
+    fused_weighted_sum,
+    fused_weighted_sum_status,
+    reference_fused_weighted_sum,
+)
 
 __all__ = [
     "SIMD_ENV_VAR",
@@ -44,6 +48,7 @@ __all__ = [
     "fused_adam_status",
     "fused_adam_step",
     "fused_weighted_sum",
+    "fused_weighted_sum_status",
     "kernel_report",
     "reference_adam_step",
     "reference_fused_weighted_sum",

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["fused_weighted_sum", "reference_fused_weighted_sum"]
+__all__ = ["fused_weighted_sum", "fused_weighted_sum_status", "reference_fused_weighted_sum"]
 
 _ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -143,6 +143,25 @@ def _weighted_sum_backward_cuda(
         grad_out, rows, scores, index
     )
     return grads
+
+
+def fused_weighted_sum_status() -> tuple[bool, str]:
+    """Says whether the Triton kernels serve CUDA tensors here, importing Triton if need be.
+
+    Returns:
+        ``(True, description)`` when Triton imports and a CUDA device is visible; otherwise
+        ``(False, reason)`` saying what runs instead and why.
+    """
+    try:
+        import triton
+    except ImportError as exc:
+        return False, f"Triton cannot be imported ({exc}): every device runs the pure-torch twin"
+    if not torch.cuda.is_available():
+        return (
+            False,
+            f"no CUDA device: the twin runs (Triton {triton.__version__} would serve CUDA)",
+        )
+    return True, f"Triton {triton.__version__} kernels for CUDA tensors (twin elsewhere)"
 
 
 @functools.cache

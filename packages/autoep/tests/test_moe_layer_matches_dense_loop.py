@@ -85,6 +85,7 @@ def test_residual_mixes_the_dense_expert_with_a_softmax_coefficient() -> None:
         (dict(num_experts=4, capacity_factor=0.0), "capacity_factor"),
         (dict(num_experts=4, noisy_gate_policy="Gaussian"), "noisy_gate_policy"),
         (dict(num_experts=4, combine_impl="legacy_bmm"), "combine_impl"),
+        (dict(num_experts=2, k=3), "moe.top_k"),
     ],
 )
 def test_bad_arguments_are_config_errors(kwargs: dict[str, object], words: str) -> None:

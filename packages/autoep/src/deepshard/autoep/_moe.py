@@ -171,6 +171,11 @@ def _refuse_unbuilt(config: MoeConfig, combine_impl: str) -> None:
             "so far; use ep_size=1 (expert parallelism comes with deepshard.autoep's "
             "parallelize_experts)"
         )
+    if config.top_k > config.num_experts:
+        raise ConfigError(
+            f"moe.top_k: k={config.top_k} exceeds num_experts={config.num_experts}; a token "
+            "cannot choose more experts than the layer has"
+        )
     if combine_impl not in ("weighted_sum", "fused_weighted_sum"):
         raise ConfigError(
             f"combine_impl: {combine_impl!r}: use 'weighted_sum' or 'fused_weighted_sum'"

@@ -9,17 +9,33 @@ config) or a ``tp_grain_size`` grain. Planning is pure: it reads the model and r
 
 from __future__ import annotations
 
+from deepshard.autotp._full_state import load_full_state_dict, save_full_state_dict
+from deepshard.autotp._layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
 from deepshard.autotp._meta import AutoTPMeta
+from deepshard.autotp._parallelize import TPModelState, parallelize, tp_state
 from deepshard.autotp._plan_types import LayerPlan, Style, TPPlan
 from deepshard.autotp._sizes import grain_split, kv_group_split, split_sizes, sub_parameter_sizes
 
 __all__ = [
     "AutoTPMeta",
+    "ColumnParallelLinear",
     "LayerPlan",
+    "RowParallelLinear",
     "Style",
+    "TPGroup",
+    "TPModelState",
     "TPPlan",
+    "VocabParallelEmbedding",
     "grain_split",
     "kv_group_split",
+    "load_full_state_dict",
+    "parallelize",
+    "save_full_state_dict",
     "split_sizes",
     "sub_parameter_sizes",
 ]

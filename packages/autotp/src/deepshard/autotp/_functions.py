@@ -23,6 +23,7 @@ process group; the rank is read from the group it is given, never from a global.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -136,11 +137,16 @@ def split_last_dim(
     return out
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    # Not reshape(-1, n): a rank holding no rows has n == 0, for which -1 is ambiguous.
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _weight_grads(
     ctx: Any, grad: torch.Tensor, x: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    flat_grad = grad.reshape(-1, grad.shape[-1])
-    grad_weight = flat_grad.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    flat_grad, flat_x = _rows(grad), _rows(x)
+    grad_weight = flat_grad.t() @ flat_x if ctx.needs_input_grad[1] else None
     grad_bias = flat_grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return grad_weight, grad_bias
 

@@ -33,10 +33,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from deepshard.autotp._describe import PLAN_ATTRIBUTE
 from deepshard.autotp._functions import copy_to_tp
 from deepshard.autotp._grad_sync import ReplicatedGradReducer
 from deepshard.autotp._layers import TPGroup, build_layer
 from deepshard.autotp._placements import build_placements, sharded_parameters
+from deepshard.autotp._plan import make_plan
 from deepshard.autotp._plan_types import LayerPlan, Style, TPPlan
 from deepshard.comm import ParallelDims
 from deepshard.interface.config import TensorParallelConfig
@@ -47,7 +49,6 @@ from deepshard.interface.topology import Topology
 
 __all__ = ["TPModelState", "parallelize", "tp_state"]
 
-PLAN_ATTRIBUTE = "_deepshard_tp_plan"
 STATE_ATTRIBUTE = "_deepshard_tp_state"
 _SPLIT = (Style.COLUMN, Style.ROW, Style.VOCAB)
 _Q_HEADS = ("num_heads", "num_attention_heads")
@@ -107,7 +108,7 @@ def _resolve(mesh: DeviceMesh | ParallelDims) -> tuple[DeviceMesh, Topology]:
     )
 
 
-def _check_plan(plan: TPPlan, size: int, config: TensorParallelConfig | None) -> None:
+def _check_config(size: int, config: TensorParallelConfig | None) -> None:
     wanted = config.autotp_size if config is not None else 0
     if wanted not in (0, size):
         raise ConfigError(
@@ -115,6 +116,9 @@ def _check_plan(plan: TPPlan, size: int, config: TensorParallelConfig | None) ->
             "make them equal (or leave autotp_size at 0 to follow the mesh)",
             [("tensor_parallel.autotp_size", f"{wanted} != tp axis {size}")],
         )
+
+
+def _check_plan(plan: TPPlan, size: int) -> None:
     if plan.tp_size != size:
         raise ConfigError(
             f"the plan is for {plan.tp_size} TP ranks but the mesh's tp axis has {size}; make "
@@ -193,10 +197,20 @@ class _HeadlessBlock(nn.Module):
                 [("tensor_parallel.autotp_size", "more ranks than KV heads")],
             )
         self.row, self.group = rows[0], tp.group
+        self.layer_idx: int | None = getattr(block, "layer_idx", None)
+        self.head_dim: int | None = getattr(block, "head_dim", None)
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        """``(row(Σ column(x)), None)`` on empty features; ``x`` is the first input."""
+        """``(row(Σ column(x)), None)`` on empty features; ``x`` is the first input.
+
+        A KV cache passed as ``past_key_values`` gets this layer's (empty) keys and values, so
+        its length, which generation reads to place new tokens, is the other ranks'.
+        """
         x = args[0] if args else kwargs["hidden_states"]
+        cache = kwargs.get("past_key_values")
+        if cache is not None and self.layer_idx is not None and self.head_dim is not None:
+            empty = x.new_zeros((x.shape[0], 0, x.shape[1], self.head_dim))
+            cache.update(empty, empty, self.layer_idx)
         x = copy_to_tp(x, group=self.group)
         outs = [self.get_submodule(name)(x) for name in self.columns]
         total = outs[0]
@@ -293,11 +307,10 @@ def parallelize(
     group = tp_mesh.get_group()
     overlap = config.tp_overlap_comm if config is not None else False
     tp = TPGroup(group, tp_mesh.get_local_rank(), tp_mesh.size(), overlap)
+    _check_config(tp.size, config)
     if plan is None:
-        from deepshard.autotp._plan import make_plan
-
         plan = make_plan(model, tp.size, config)
-    _check_plan(plan, tp.size, config)
+    _check_plan(plan, tp.size)
     full_shapes = {
         name: tuple(param.shape)
         for layer in plan.layers

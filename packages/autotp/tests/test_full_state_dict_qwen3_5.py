@@ -97,5 +97,5 @@ def test_load_full_weights_into_tp2_qwen3_5_gives_the_unsharded_logits(tmp_path:
 
 
 def test_a_folder_without_safetensors_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         load_full_state_dict(nn.Linear(2, 2), tmp_path)

@@ -37,7 +37,11 @@ SHAPE = dict(
     num_key_value_heads=2,
     tie_word_embeddings=False,
 )
-DIMS = {Style.COLUMN: {"weight": 0, "bias": 0}, Style.ROW: {"weight": 1}, Style.VOCAB: {"weight": 0}}
+DIMS = {
+    Style.COLUMN: {"weight": 0, "bias": 0},
+    Style.ROW: {"weight": 1},
+    Style.VOCAB: {"weight": 0},
+}
 
 
 def _model(kind: str) -> nn.Module:

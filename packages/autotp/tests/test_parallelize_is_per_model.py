@@ -87,9 +87,10 @@ def _refusals(mesh: Any) -> dict[str, str]:
         ),
         "twice": lambda: parallelize(parallelize(_llama(8, 2, 0), mesh), mesh),
         "not linear": lambda: parallelize(
-            _llama(8, 2, 0), mesh,
+            _llama(8, 2, 0),
+            mesh,
             plan=TPPlan(2, (LayerPlan("model.norm", Style.COLUMN, ((32, 32),)),)),
-        ),  # fmt: skip
+        ),
     }
     messages = {}
     for name, attempt in attempts.items():

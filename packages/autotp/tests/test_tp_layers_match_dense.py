@@ -70,7 +70,9 @@ def _expected_shard(full: torch.Tensor, module: str, rank: int) -> torch.Tensor:
     parts = SIZES[module]
     dim = DIMS[module]
     subs = full.split([sum(p) for p in parts], dim=dim)
-    return torch.cat([sub.split(list(p), dim=dim)[rank] for sub, p in zip(subs, parts)], dim=dim)
+    return torch.cat(
+        [sub.split(list(p), dim=dim)[rank] for sub, p in zip(subs, parts, strict=True)], dim=dim
+    )
 
 
 def _ranks(mesh: Any, overlap: bool) -> dict[str, Any]:

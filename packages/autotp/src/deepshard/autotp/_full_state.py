@@ -97,15 +97,13 @@ def _file_reader(path: Path, stack: ExitStack) -> tuple[Reader, set[str]]:
             return handle.get_tensor(name)  # type: ignore[no-any-return]
         tensor_slice = handle.get_slice(name)
         lead = (slice(None),) * dim
-        parts = [tensor_slice[(*lead, slice(start, start + n))] for start, n in offsets]
+        parts = [tensor_slice[lead + (slice(start, start + n),)] for start, n in offsets]
         return torch.cat(parts, dim=dim)
 
     return read, set(where)
 
 
-def _load_one(
-    tensor: torch.Tensor, value: torch.Tensor, name: str, source: str
-) -> None:
+def _load_one(tensor: torch.Tensor, value: torch.Tensor, name: str, source: str) -> None:
     if tuple(value.shape) != tuple(tensor.shape):
         raise CheckpointError(
             f"{name!r} in {source} has shape {tuple(value.shape)} but this rank's "

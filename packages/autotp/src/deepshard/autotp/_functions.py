@@ -48,7 +48,9 @@ Pieces = tuple[tuple[tuple[int, int], ...], ...]
 """Per rank, each sub-parameter's ``(start, length)`` in the full dim (`LayerPlan.offsets`)."""
 
 
-def local_pieces(full: torch.Tensor, offsets: tuple[tuple[int, int], ...], dim: int) -> torch.Tensor:
+def local_pieces(
+    full: torch.Tensor, offsets: tuple[tuple[int, int], ...], dim: int
+) -> torch.Tensor:
     """This rank's shard of ``full``: its piece of each sub-parameter, concatenated along ``dim``.
 
     Args:
@@ -90,7 +92,7 @@ def all_gather_pieces(
 
 class _GatherLast(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, local: torch.Tensor, pieces: Pieces, rank: int, group: dist.ProcessGroup
     ) -> torch.Tensor:
         ctx.offsets = pieces[rank]
@@ -103,7 +105,7 @@ class _GatherLast(torch.autograd.Function):
 
 class _SplitLast(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, full: torch.Tensor, pieces: Pieces, rank: int, group: dist.ProcessGroup
     ) -> torch.Tensor:
         ctx.pieces, ctx.rank, ctx.group = pieces, rank, group
@@ -111,7 +113,12 @@ class _SplitLast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return all_gather_pieces(grad.contiguous(), ctx.pieces, ctx.rank, ctx.group), None, None, None
+        return (
+            all_gather_pieces(grad.contiguous(), ctx.pieces, ctx.rank, ctx.group),
+            None,
+            None,
+            None,
+        )
 
 
 def gather_last_dim(
@@ -153,7 +160,7 @@ def _weight_grads(
 
 class _ColumnLinear(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -205,7 +212,7 @@ def column_linear(
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
@@ -229,7 +236,7 @@ def copy_to_tp(x: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
 
 class _RowLinear(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -267,7 +274,7 @@ def row_linear(
 
 class _VocabEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         ids: torch.Tensor,
         weight: torch.Tensor,

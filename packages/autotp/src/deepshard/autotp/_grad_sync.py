@@ -48,7 +48,7 @@ class ReplicatedGradReducer:
         self._pending: dict[int, torch.Tensor] = {}
         self._queued = False
         for index, (_, param) in enumerate(ordered):
-            param.register_hook(_Recorder(weakref.ref(self), index))
+            param.register_hook(_Recorder(weakref.ref(self), index))  # type: ignore[no-untyped-call]
 
     def record(self, index: int, grad: torch.Tensor) -> None:
         """Keep this backward's gradient of parameter ``index``; queue the reduction once."""

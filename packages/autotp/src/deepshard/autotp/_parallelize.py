@@ -53,6 +53,7 @@ STATE_ATTRIBUTE = "_deepshard_tp_state"
 _SPLIT = (Style.COLUMN, Style.ROW, Style.VOCAB)
 _Q_HEADS = ("num_heads", "num_attention_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads")
+_WIDTH = "hidden_size"
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,7 +170,10 @@ class _ReduceBlockInput:
                 "rows of: lower tensor_parallel.autotp_size to the KV heads",
                 [("tensor_parallel.autotp_size", "more ranks than KV heads")],
             )
-        return args, {**kwargs, "hidden_states": copy_to_tp(kwargs["hidden_states"], group=self.group)}
+        return args, {
+            **kwargs,
+            "hidden_states": copy_to_tp(kwargs["hidden_states"], group=self.group),
+        }
 
 
 class _HeadlessBlock(nn.Module):
@@ -224,19 +228,29 @@ class _HeadlessBlock(nn.Module):
         return self.get_submodule(self.row)(total), None
 
 
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _rewrite_heads(block: nn.Module, layers: list[LayerPlan], rank: int) -> None:
+    """Scale the block's head-count attributes to this rank's share (see module doc)."""
     columns = [layer for layer in layers if layer.style is Style.COLUMN]
     if not columns:
         return
-    q, kv = columns[0], columns[1] if len(columns) > 1 else columns[0]
+    q = columns[0]
+    kv = columns[1] if len(columns) > 1 else q
+    has_heads = any(_count(getattr(block, attr, None)) for attr in _Q_HEADS)
+    if has_heads and getattr(block, _WIDTH, None) == _total(q):
+        setattr(block, _WIDTH, q.local_size(rank))  # the attention width, not the residual one
     for names, layer in ((_Q_HEADS, q), (_KV_HEADS, kv)):
-        full = sum(sum(per_rank) for per_rank in layer.sizes)
         for attr in names:
-            value = getattr(block, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                if layer is q and getattr(block, "hidden_size", None) == full:
-                    block.hidden_size = layer.local_size(rank)
-                setattr(block, attr, value * layer.local_size(rank) // full)
+            value = _count(getattr(block, attr, None))
+            if value is not None:
+                setattr(block, attr, value * layer.local_size(rank) // _total(layer))
+
+
+def _total(layer: LayerPlan) -> int:
+    return sum(sum(per_rank) for per_rank in layer.sizes)
 
 
 def _replace_layers(
@@ -247,7 +261,9 @@ def _replace_layers(
         module = model.get_submodule(layer.module)
         if layer.style in _SPLIT:
             reduce = _parent(layer.module) not in starved
-            _set_submodule(model, layer.module, build_layer(module, layer, tp, reduce_input_grad=reduce))
+            _set_submodule(
+                model, layer.module, build_layer(module, layer, tp, reduce_input_grad=reduce)
+            )
         elif layer.style is Style.REPLICATE_GRAD_ALLREDUCE:
             prefix = f"{layer.module}." if layer.module else ""
             replicated += [(prefix + n, p) for n, p in module.named_parameters() if p.requires_grad]

@@ -82,9 +82,7 @@ def _even(layer: LayerPlan) -> bool:
     return len(layer.sizes) == 1 and len(set(layer.sizes[0])) == 1
 
 
-def _layer_params(
-    model: nn.Module, layer: LayerPlan
-) -> Iterator[tuple[str, torch.Tensor, int]]:
+def _layer_params(model: nn.Module, layer: LayerPlan) -> Iterator[tuple[str, torch.Tensor, int]]:
     module = model.get_submodule(layer.module)
     for local_name, dim in sharded_parameters(layer):
         param = getattr(module, local_name, None)

@@ -96,8 +96,10 @@ def _file_reader(path: Path, stack: ExitStack) -> tuple[Reader, set[str]]:
         if offsets is None:
             return handle.get_tensor(name)  # type: ignore[no-any-return]
         tensor_slice = handle.get_slice(name)
-        lead = (slice(None),) * dim
-        parts = [tensor_slice[lead + (slice(start, start + n),)] for start, n in offsets]
+        parts = []
+        for start, length in offsets:
+            index = (*(slice(None),) * dim, slice(start, start + length))
+            parts.append(tensor_slice[index])
         return torch.cat(parts, dim=dim)
 
     return read, set(where)

@@ -7,6 +7,8 @@ bad input with typed errors (2 gloo ranks).
   first one's plan, shards and logits unchanged.
 * ``parallelize`` + ``torch.no_grad()`` greedy generation (with the KV cache) gives the
   unsharded model's tokens.
+* Head-count attributes are halved on TP=2 only in the subtree holding split layers, and an
+  attention that reshapes with them still matches the dense one; placements say ``Shard(dim)``.
 * A plan for another TP size, a conflicting ``autotp_size``, a second ``parallelize`` of the
   same model and a column split of a non-Linear are ``ConfigError``s naming the key.
 """
@@ -27,6 +29,7 @@ from deepshard.autotp import LayerPlan, Style, TPPlan, make_plan, parallelize, p
 from deepshard.interface import Topology
 from deepshard.interface.config import TensorParallelConfig
 from deepshard.interface.errors import ConfigError
+from deepshard.interface.placement import Replicate, Shard
 from deepshard.testing import run_on_mesh
 
 
@@ -37,6 +40,63 @@ def _llama(heads: int, kv_heads: int, seed: int) -> nn.Module:
         num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False,
     )  # fmt: skip
     return LlamaForCausalLM(config).float().eval()
+
+
+class _OldStyleAttention(nn.Module):
+    """Attention that reshapes with its own head-count attributes, as older HF models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 4
+        self.hidden_size = 16  # num_heads * head_dim: the attention width
+        self.q_proj = nn.Linear(16, 16)
+        self.k_proj = nn.Linear(16, 8)
+        self.o_proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(x.shape[0], self.num_key_value_heads, self.head_dim)
+        k = k.repeat_interleave(self.num_heads // self.num_key_value_heads, dim=1)
+        mixed = (q * k).softmax(-1) * q
+        return self.o_proj(mixed.reshape(x.shape[0], self.hidden_size))
+
+
+class _OldStyle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _OldStyleAttention()
+        self.mlp = nn.Sequential(nn.Linear(16, 16))
+        self.mlp.hidden_size = 16  # type: ignore[assignment]  # not in a split subtree
+
+
+def _head_attributes(mesh: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = _OldStyle()
+    plan = TPPlan(2, (
+        LayerPlan("attn.q_proj", Style.COLUMN, ((8, 8),)),
+        LayerPlan("attn.k_proj", Style.COLUMN, ((4, 4),)),
+        LayerPlan("attn.o_proj", Style.ROW, ((8, 8),)),
+    ))  # fmt: skip
+    model = parallelize(copy.deepcopy(reference), mesh, plan=plan)
+    x = torch.randn(3, 16)
+    attn = model.get_submodule("attn")
+    return {
+        "error": (model.attn(x) - reference.attn(x)).abs().max().item(),
+        "attrs": (attn.num_heads, attn.num_key_value_heads, attn.hidden_size, attn.head_dim),
+        "mlp": model.get_submodule("mlp").hidden_size,
+    }
+
+
+def _placements(mesh: Any) -> dict[str, Any]:
+    model = parallelize(_llama(8, 2, 0), mesh)
+    registry = tp_state(model).placements
+    return {
+        name: (registry[name].global_shape, registry[name].placement("tp"),
+               registry[name].reduce_over)
+        for name in ("model.layers.0.self_attn.q_proj.weight",
+                     "model.layers.0.self_attn.o_proj.weight",
+                     "model.embed_tokens.weight", "model.norm.weight")
+    }  # fmt: skip
 
 
 def _freed(mesh: Any) -> dict[str, bool]:
@@ -109,6 +169,8 @@ def _ranks(mesh: Any) -> dict[str, Any]:
         "two": _two_models(mesh, ids),
         "generate": _generate(mesh, ids),
         "refusals": _refusals(mesh),
+        "heads": _head_attributes(mesh),
+        "placements": _placements(mesh),
     }
 
 
@@ -128,3 +190,13 @@ def test_metadata_is_per_model_and_generation_works(tmp_path: Path) -> None:
         assert "autotp_size is 4" in refusals["autotp_size"], refusals
         assert "already tensor-parallelized" in refusals["twice"], refusals
         assert "needs an nn.Linear" in refusals["not linear"], refusals
+        heads = result["heads"]
+        assert heads["error"] < 1e-5 and heads["mlp"] == 16, heads
+        assert heads["attrs"] == (2, 1, 8, 4), heads  # halves; head_dim untouched
+        dense = ("dp", "ep", "sp")
+        assert result["placements"] == {
+            "model.layers.0.self_attn.q_proj.weight": ((64, 64), Shard(0), dense),
+            "model.layers.0.self_attn.o_proj.weight": ((64, 64), Shard(1), dense),
+            "model.embed_tokens.weight": ((128, 64), Shard(0), dense),
+            "model.norm.weight": ((64,), Replicate(), dense),
+        }

@@ -8,7 +8,7 @@ one name component (a layer index); a key matches a module whose name ends with 
 module's ``.weight``.
 
 Styles map onto `Style`; a style AutoTP does not know (or cannot honour, such as
-``rowwise_split_input``, whose input arrives whole) rejects the plan as a whole, naming the
+``rowwise_split_input``, whose input arrives whole) refuses the plan as a whole, naming the
 style: applying the rest could split one half of a column/row pair.
 """
 
@@ -35,16 +35,16 @@ TP_PLAN_STYLES: dict[str, tuple[Style, bool]] = {
     "colwise_rep": (Style.COLUMN, True),
     "colwise_gather_output": (Style.COLUMN, True),
     "rowwise": (Style.ROW, False),
-    "rowwise_rep": (Style.ROW, False),
     "local_rowwise": (Style.ROW, False),
     "embedding_rowwise": (Style.VOCAB, False),
     "replicated_with_grad_allreduce": (Style.REPLICATE_GRAD_ALLREDUCE, False),
     "replicate": (Style.REPLICATE, False),
     "local": (Style.REPLICATE, False),
+    "local_params": (Style.REPLICATE, False),
 }
 """The Hugging Face styles AutoTP honours: each one's style and whether it gathers the output.
-(``local_*``: the same split without DTensor; ``*_rep``: output replicated, which a row split's
-all-reduce already gives.)"""
+(``local_*``: the same split without DTensor. ``rowwise_rep`` and ``rowwise_split_input`` are
+not here: their input arrives whole, while a row-parallel layer takes the column shards.)"""
 
 
 def hf_tp_plan(model: torch.nn.Module) -> dict[str, str]:

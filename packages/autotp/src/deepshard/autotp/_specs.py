@@ -73,30 +73,35 @@ def resolve_specs(config: TensorParallelConfig, meta: AutoTPMeta) -> list[Labell
     return specs
 
 
+def _shape_problem(
+    shape: list[int | list[int]], name: str, weight: torch.Tensor, dim: int
+) -> str | None:
+    """What is wrong with ``shape`` as a view of ``weight`` split along ``dim``, if anything."""
+    if len(shape) != weight.dim():
+        return f"has {len(shape)} dimensions but {name}'s weight has {weight.dim()}"
+    for index, size in enumerate(shape):
+        if index != dim and isinstance(size, int) and size not in (-1, weight.shape[index]):
+            return f"says dimension {index} is {size}, {name}'s weight has {weight.shape[index]}"
+    split, rows = shape[dim], weight.shape[dim]
+    if isinstance(split, list) and sum(split) != rows:
+        return f"sub-parameters {split} sum to {sum(split)}, {name} has {rows} rows"
+    if isinstance(split, int) and split > 0 and rows % split:
+        return f"{split} equal sub-parameters do not divide the {rows} rows of {name}"
+    return None
+
+
 def _parts_from_shape(
     entry: LabelledSpec, name: str, weight: torch.Tensor, dim: int
 ) -> tuple[int, ...]:
     """The sub-parameters the spec's ``shape`` declares along split dimension ``dim``."""
-    shape, rows = entry.spec.shape, weight.shape[dim]
-    key = f"{entry.key}.shape"
+    shape, rows = entry.spec.shape, int(weight.shape[dim])
     if shape is None:
         return (rows,)
-    problem = None
-    if len(shape) != weight.dim():
-        problem = f"has {len(shape)} dimensions but {name}'s weight has {weight.dim()}"
-    else:
-        for index, size in enumerate(shape):
-            if index != dim and isinstance(size, int) and size not in (-1, weight.shape[index]):
-                problem = (
-                    f"says dimension {index} is {size}, {name}'s weight has {weight.shape[index]}"
-                )
-    split = shape[dim] if problem is None else -1
-    if isinstance(split, list) and sum(split) != rows:
-        problem = f"sub-parameters {split} sum to {sum(split)}, {name} has {rows} rows"
-    elif isinstance(split, int) and split > 0 and rows % split:
-        problem = f"{split} equal sub-parameters do not divide the {rows} rows of {name}"
+    problem = _shape_problem(shape, name, weight, dim)
     if problem is not None:
+        key = f"{entry.key}.shape"
         raise ConfigError(f"{key}: {shape} {problem}", [(key, problem)])
+    split = shape[dim]
     if isinstance(split, list):
         return tuple(split)
     return (rows,) if split == -1 else (rows // split,) * split
@@ -191,7 +196,7 @@ class SpecMatcher:
                 f"AutoTP: {len(modules)} module(s) ({modules[0]}, ...) match {labels[0]} and "
                 f"{others}; the first match, {labels[0]}, decides them",
                 AutoTPWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         if not strict:
             return

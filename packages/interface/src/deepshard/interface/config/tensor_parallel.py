@@ -108,7 +108,8 @@ class TpPartitionConfig(ConfigModel):
     """Partition rules, first match wins."""
 
     embedding_partition_dim: int = Field(1, ge=0)
-    """Dimension embeddings are split along."""
+    """Accepted for DeepSpeed configs, which do not act on it either: AutoTP splits an embedding
+    by vocabulary (dim 0 of its weight)."""
 
     strict_mode: bool = False
     """Refuse a model with a Linear that no layer spec matches (instead of leaving it whole)."""

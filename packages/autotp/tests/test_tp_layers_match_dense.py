@@ -6,7 +6,8 @@ row layer fed a whole input (split inside), and a column LM head with ``gather_o
 reference is the same model, unsharded, run on each rank; its gradients are sliced with plain
 ``torch.split`` (not the code under test) to compare with each rank's shard. The shard maps
 are checked by rebuilding every weight from the ranks' shards with the interface's own
-``rebuild``. Run with and without ``tp_overlap_comm``.
+``rebuild``. A replicated scale applied to each rank's intermediate features gets its gradient
+summed over TP, over two accumulated micro-batches. Run with and without ``tp_overlap_comm``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from deepshard.testing import run_on_mesh
 VOCAB, HIDDEN, INTER = 11, 6, 5
 
 
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+
 class _Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -37,11 +44,12 @@ class _Tiny(nn.Module):
         self.down = nn.Linear(INTER, HIDDEN)
         self.mix = nn.Linear(HIDDEN, HIDDEN, bias=False)
         self.head = nn.Linear(HIDDEN, VOCAB)
+        self.scale = _Scale()  # replicated, but applied to each rank's intermediate features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        y = x + self.down(F.silu(gate) * up)
+        y = x + self.down(F.silu(gate) * up * self.scale.weight)
         return self.head(y + self.mix(y))
 
 
@@ -62,7 +70,7 @@ def _plan() -> TPPlan:
         LayerPlan(name, STYLES.get(name, Style.COLUMN), sizes, gather_output=name == "head")
         for name, sizes in SIZES.items()
     )
-    return TPPlan(2, layers)
+    return TPPlan(2, (*layers, LayerPlan("scale", Style.REPLICATE_GRAD_ALLREDUCE)))
 
 
 def _expected_shard(full: torch.Tensor, module: str, rank: int) -> torch.Tensor:
@@ -87,15 +95,17 @@ def _ranks(mesh: Any, overlap: bool) -> dict[str, Any]:
     rank = mesh["tp"].get_local_rank()
     ids = torch.tensor([[0, 3, 5, 6, 10], [9, 3, 2, 7, 1]])
     target = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
-    out, expected = model(ids), reference(ids)
-    F.cross_entropy(out.flatten(0, 1), target.flatten()).backward()
-    F.cross_entropy(expected.flatten(0, 1), target.flatten()).backward()
-    errors = {"logits": (out - expected).abs().max().item()}
+    errors = {}
+    for micro in range(2):  # two micro-batches: gradients accumulate, reduced ones included
+        out, expected = model((ids + micro) % VOCAB), reference((ids + micro) % VOCAB)
+        F.cross_entropy(out.flatten(0, 1), target.flatten()).backward()
+        F.cross_entropy(expected.flatten(0, 1), target.flatten()).backward()
+        errors[f"logits {micro}"] = (out - expected).abs().max().item()
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         module, _, kind = name.partition(".")
         ref = ref_params[name]
-        sharded = not (kind == "bias" and STYLES.get(module) is Style.ROW)
+        sharded = module in SIZES and not (kind == "bias" and STYLES.get(module) is Style.ROW)
         want_value = _expected_shard(ref.detach(), module, rank) if sharded else ref.detach()
         want_grad = _expected_shard(ref.grad, module, rank) if sharded else ref.grad
         assert param.grad is not None, name
@@ -116,7 +126,7 @@ def test_each_layer_kind_matches_the_dense_module(tmp_path: Path, overlap: bool)
         bad = {k: v for k, v in result["errors"].items() if v > 1e-5}
         assert not bad, f"rank {rank}: {bad}"
     maps, full = results[0]["maps"], results[0]["full"]
-    assert set(maps) == {n for n in full if n != "down.bias"}
+    assert set(maps) == {n for n in full if n not in ("down.bias", "scale.weight")}
     for name, smap in maps.items():
         rebuilt = rebuild(smap, {r: results[r]["shards"][name] for r in range(2)})
         assert torch.allclose(torch.tensor(rebuilt).view_as(full[name]), full[name]), name

@@ -5,7 +5,8 @@ skipped ``Qwen3_5RMSNorm`` or ``Qwen3_5RMSNormGated`` would leave them at their 
 logits would differ) and saved to safetensors by the test process. Each rank builds the model
 from a *different* seed, parallelizes it, loads the file with `load_full_state_dict`, and must
 give the reference logits; `save_full_state_dict` must return the reference's state dict
-exactly, and loading that dict into a fresh TP model gives the same logits again.
+exactly, and loading that dict, or a ``save_pretrained`` folder of several safetensors files
+with an index, into a fresh TP model gives the same logits again.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _model(seed: int) -> nn.Module:
     return model
 
 
-def _ranks(mesh: Any, path: Path) -> dict[str, Any]:
+def _ranks(mesh: Any, path: Path, folder: Path) -> dict[str, Any]:
     reference = _model(0)
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -64,6 +65,9 @@ def _ranks(mesh: Any, path: Path) -> dict[str, Any]:
         fresh = parallelize(_model(2), mesh)
         unexpected = load_full_state_dict(fresh, {**full, "extra.weight": torch.zeros(1)})
         from_dict = (fresh(input_ids=ids).logits - want).abs().max().item()
+        sharded = parallelize(_model(3), mesh)
+        load_full_state_dict(sharded, folder)
+        from_folder = (sharded(input_ids=ids).logits - want).abs().max().item()
     reference_state = reference.state_dict()
     saved_equal = set(full) == set(reference_state) and all(
         torch.equal(full[k], reference_state[k]) for k in full
@@ -75,7 +79,8 @@ def _ranks(mesh: Any, path: Path) -> dict[str, Any]:
         refused = ""
     except CheckpointError as error:
         refused = str(error)
-    return {"from_file": from_file, "from_dict": from_dict, "saved_equal": saved_equal,
+    return {"from_file": from_file, "from_dict": from_dict, "from_folder": from_folder,
+            "saved_equal": saved_equal,
             "unexpected": unexpected, "refused": refused}  # fmt: skip
 
 
@@ -85,12 +90,16 @@ def test_load_full_weights_into_tp2_qwen3_5_gives_the_unsharded_logits(tmp_path:
     assert {"Qwen3_5RMSNorm", "Qwen3_5RMSNormGated"} <= names  # the norms the issue names
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    folder = tmp_path / "hf"
+    reference.save_pretrained(folder, max_shard_size="40KB")  # several files and an index
+    assert len(list(folder.glob("*.safetensors"))) > 1
     results = run_on_mesh(
-        _ranks, 2, topology=Topology(tp=2), args=(path,), store_dir=tmp_path, timeout_s=120
+        _ranks, 2, topology=Topology(tp=2), args=(path, folder), store_dir=tmp_path, timeout_s=120
     )
     for rank, result in enumerate(results):
         assert result["from_file"] < 1e-5, rank
         assert result["from_dict"] < 1e-5, rank
+        assert result["from_folder"] < 1e-5, rank
         assert result["saved_equal"], rank
         assert result["unexpected"] == ["extra.weight"], rank
         assert "model.layers.0.linear_attn.norm.weight" in result["refused"], rank

@@ -14,7 +14,10 @@ One `ReplicatedGradReducer` per model does the sum with a single all-reduce per 
 
 Summing at the end, in name order, keeps the collective sequence the same on every rank
 however autograd orders the hooks (a rank that holds no attention heads runs a different
-graph), and accumulation over micro-batches stays a plain sum. The reducer holds the group
+graph), and accumulation over micro-batches stays a plain sum. Every rank must compute a
+gradient for at least one of the parameters in each backward, or it would never join the
+reduction (the headless attention block feeds its norms empty inputs for this reason). The
+reducer holds the group
 and weak references to the parameters only, so it never keeps a model alive.
 """
 

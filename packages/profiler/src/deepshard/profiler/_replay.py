@@ -11,8 +11,8 @@ When the numbers are first read, each new key is replayed once: the called modul
 through ``torch.func.functional_call`` with fake copies of its parameters and buffers, on fake
 inputs (``FakeTensorMode``: shapes propagate, no kernel runs, no memory is used), under the
 counting `Recorder` with hooks on the same module objects, so attribution is the eager one.
-Counting backward, the fake outputs are back-propagated too (every floating output that
-requires grad is seeded). A key's counts times its multiplicity, summed, are the profile's.
+Counting backward, the fake outputs are back-propagated too: from the one-element outputs (a
+returned loss) when there are any, else from every floating output that requires grad. A key's counts times its multiplicity, summed, are the profile's.
 
 Nothing real changes: the parameters and buffers the replay writes (BatchNorm's running
 statistics, caches) are the fake copies, fake random operators draw nothing from the real
@@ -243,6 +243,10 @@ def _run(
         for t in pytree.tree_leaves(out)
         if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
     ]
+    # A model that returns its loss (Hugging Face with labels) is back-propagated from it
+    # alone, as its caller does: seeding the logits too would add a gradient accumulation.
+    losses = [t for t in seeds if t.numel() == 1]
+    seeds = losses or seeds
     if seeds:
         torch.autograd.backward(seeds, [torch.ones_like(t) for t in seeds])
 

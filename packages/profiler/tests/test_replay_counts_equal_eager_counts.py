@@ -164,7 +164,7 @@ def test_value_dependent_shapes_fall_back_to_eager_counting(
     prof.start_profile()
     model(x)
     with caplog.at_level(logging.WARNING, "deepshard.profiler"):
-        with pytest.raises(ProfilerReplayError, match="DynamicOutputShape.*next start_profile"):
+        with pytest.raises(ProfilerReplayError, match=r"DynamicOutputShape.*next start_profile"):
             prof.get_total_flops()
         with pytest.raises(ProfilerReplayError):
             prof.get_total_flops()
@@ -177,7 +177,7 @@ def test_value_dependent_shapes_fall_back_to_eager_counting(
     model(x)
     assert prof.get_total_macs() == routed * 8 * 8
     prof.end_profile()
-    flops, macs, _ = get_model_profile(_Routed(), args=(x,), print_profile=False, warm_up=0)
+    _, macs, _ = get_model_profile(_Routed(), args=(x,), print_profile=False, warm_up=0)
     assert macs == routed * 8 * 8
     with pytest.raises(ProfilerReplayError, match="count_mode='eager'"):
         get_model_profile(_Routed(), args=(x,), print_profile=False, count_mode="replay")

@@ -16,9 +16,8 @@ fails (shapes that depend on values), the next step is profiled instead, counted
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import logging
+from collections.abc import Callable
 
 import torch
 

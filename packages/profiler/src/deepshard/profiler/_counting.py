@@ -30,6 +30,10 @@ What keeps it cheap (every aten operator of a step passes through the mode, a Py
   runs (pushed when the stack becomes non-empty, popped when it empties): operators outside
   the model, the backward among them, then run at full speed — nothing there would count.
 
+Built with ``counting=False`` (replay counting, `deepshard.profiler._replay`), the recorder
+only times the modules and hands each outermost call that returned to ``on_call``; the mode is
+never pushed, so the profiled step pays the hooks alone.
+
 Nothing global is modified: the mode is pushed on the thread's mode stack and popped, the
 hooks are removed by handle, and no attribute is set on a module or tensor.
 """

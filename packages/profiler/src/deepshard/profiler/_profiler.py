@@ -26,13 +26,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from deepshard.interface.errors import DeepShardError
 from deepshard.profiler._counting import ModuleTally, Recorder
 from deepshard.profiler._peak import peak_flops_of
+from deepshard.profiler._replay import CallReplay, ReplayFailed
 from deepshard.profiler._report import (
     ModelProfile,
     TrainingStep,
@@ -41,7 +42,6 @@ from deepshard.profiler._report import (
     number_to_string,
     profile_text,
 )
-from deepshard.profiler._replay import CallReplay, ReplayFailed
 
 __all__ = ["CountMode", "FlopsProfiler", "ProfilerError", "ProfilerReplayError"]
 

@@ -12,15 +12,17 @@ through ``torch.func.functional_call`` with fake copies of its parameters and bu
 inputs (``FakeTensorMode``: shapes propagate, no kernel runs, no memory is used), under the
 counting `Recorder` with hooks on the same module objects, so attribution is the eager one.
 Counting backward, the fake outputs are back-propagated too: from the one-element outputs (a
-returned loss) when there are any, else from every floating output that requires grad. A key's counts times its multiplicity, summed, are the profile's.
+returned loss) when there are any, else from every floating output that requires grad. A
+key's counts times its multiplicity, summed, are the profile's.
 
 Nothing real changes: the parameters and buffers the replay writes (BatchNorm's running
 statistics, caches) are the fake copies, fake random operators draw nothing from the real
-generators, and each module's attribute dictionaries are put back as they were (a forward that
-assigns to ``self`` assigns again in the replay). A call the replay cannot reproduce makes it
+generators, and each module's attribute dictionaries are put back as they were (what a
+replayed forward assigns to ``self`` is undone). A call the replay cannot reproduce makes it
 fail with the reason: an argument that is neither a tensor nor a plain value (a cache object
 would be mutated), a tensor subclass, or an operator whose output shape depends on tensor
-values (``nonzero``, ``.item()``: ``DynamicOutputShapeException``, ``DataDependentOutputException``).
+values (``nonzero``, ``.item()``: ``DynamicOutputShapeException``,
+``DataDependentOutputException``).
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ def call_key(module: torch.nn.Module, args: Any, kwargs: Any) -> CallKey | str:
         elif isinstance(leaf, _PLAIN):
             specs.append(leaf)
         else:
-            return f"an argument of type {type(leaf).__name__} is neither a tensor nor a plain value"
+            return (
+                f"an argument of type {type(leaf).__name__} is neither a tensor nor a plain value"
+            )
     autocast = None
     if device is not None and device.type in ("cpu", "cuda", "xpu", "mps"):
         kind = device.type
@@ -279,16 +283,17 @@ _Saved = list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any], dict[str, A
 
 
 def _attributes(model: torch.nn.Module) -> _Saved:
-    return [
-        (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers))
-        for m in model.modules()
-    ]
+    return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
 
 
 def _restore(saved: _Saved) -> None:
     """Put each module's attributes, parameters and buffers back (no fake tensor stays)."""
     for module, attributes, parameters, buffers in saved:
-        live_dicts = (module.__dict__, module._parameters, module._buffers)
+        live_dicts: tuple[dict[str, Any], ...] = (
+            module.__dict__,
+            module._parameters,
+            module._buffers,
+        )
         for live, before in zip(live_dicts, (attributes, parameters, buffers), strict=True):
             if live.keys() != before.keys() or any(live[k] is not v for k, v in before.items()):
                 live.clear()

@@ -12,6 +12,8 @@ changes nothing real.
   replayed: under ``"auto"`` the read raises `ProfilerReplayError`, one warning names the
   cause, and the next profile counts eagerly (the eager numbers); ``get_model_profile`` does
   that second profile itself. A cache object argument cannot be replayed either.
+* A model with module hooks of its own (ZeRO-3 gathers parameters in them) is counted eagerly
+  under ``"auto"``: its hooks run once per real call, never for a replay.
 """
 
 from __future__ import annotations
@@ -209,3 +211,17 @@ def test_a_cache_object_argument_is_not_replayed_and_bad_modes_are_refused() -> 
     assert len(cache.seen) == 1 and type(cache.seen[0]) is torch.Tensor
     with pytest.raises(ProfilerError, match="count_mode must be one of"):
         FlopsProfiler(model, count_mode="lazy")  # type: ignore[arg-type]
+
+
+def test_a_model_with_hooks_of_its_own_is_counted_eagerly_under_auto(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, calls = _mlp(), []
+    model[0].register_forward_hook(lambda *_: calls.append(1))
+    prof = FlopsProfiler(model)
+    with caplog.at_level(logging.INFO, "deepshard.profiler"):
+        prof.start_profile()
+    assert not prof.replaying and "module 0 (Linear) has hooks" in caplog.text
+    model.eval()(torch.randn(6, 8))
+    assert prof.get_total_macs() == 6 * 8 * 16 + 6 * 16 * 4 and calls == [1]
+    prof.end_profile()

@@ -33,7 +33,7 @@ import torch
 from deepshard.interface.errors import DeepShardError
 from deepshard.profiler._counting import ModuleTally, Recorder
 from deepshard.profiler._peak import peak_flops_of
-from deepshard.profiler._replay import CallReplay, ReplayFailed
+from deepshard.profiler._replay import CallReplay, ReplayFailed, foreign_hooks
 from deepshard.profiler._report import (
     ModelProfile,
     TrainingStep,
@@ -150,6 +150,11 @@ class FlopsProfiler:
                 f"ignore_list takes torch.nn.Module classes (e.g. [torch.nn.Dropout]), got {bad}"
             )
         self.end_profile()
+        if self.count_mode == "auto" and self._fallback is None:
+            hooked = foreign_hooks(self.model)
+            if hooked is not None:
+                self._fallback = hooked
+                _log.info("FLOPs profiler: counting eagerly: %s (a replay runs them again)", hooked)
         replay = None
         if self.count_mode == "replay" or (self.count_mode == "auto" and self._fallback is None):
             replay = CallReplay(

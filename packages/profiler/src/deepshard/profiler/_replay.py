@@ -22,7 +22,9 @@ replayed forward assigns to ``self`` is undone). A call the replay cannot reprod
 fail with the reason: an argument that is neither a tensor nor a plain value (a cache object
 would be mutated), a tensor subclass, or an operator whose output shape depends on tensor
 values (``nonzero``, ``.item()``: ``DynamicOutputShapeException``,
-``DataDependentOutputException``).
+``DataDependentOutputException``). A model with module hooks of its own is counted eagerly
+under ``"auto"`` from the start (`foreign_hooks`): the replay would run them again, and ZeRO-3's
+would gather parameters with collectives only this rank issues.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 from deepshard.profiler._counting import ModuleTally, Recorder
 
-__all__ = ["CallReplay", "ReplayFailed"]
+__all__ = ["CallReplay", "ReplayFailed", "foreign_hooks"]
 
 _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout)
 """Argument types recorded by value (immutable, so the recorded value is the one passed)."""
@@ -79,6 +81,25 @@ class CallKey:
     """Whether autograd recorded the call (no backward otherwise)."""
     autocast: tuple[bool, torch.dtype] | None
     """Autocast (enabled, dtype) on the device of the first tensor argument, if any."""
+
+
+def foreign_hooks(model: torch.nn.Module) -> str | None:
+    """Which module of ``model`` has forward or backward hooks (a replay would run them again:
+    ZeRO-3's parameter gathers would issue collectives), or None."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return "a global module forward hook is registered"
+    for name, module in model.named_modules():
+        hooks = (
+            module._forward_hooks,
+            module._forward_pre_hooks,
+            module._backward_hooks,
+            module._backward_pre_hooks,
+        )
+        if any(hooks):
+            return f"module {name or '(root)'} ({type(module).__name__}) has hooks"
+    return None
 
 
 def call_key(module: torch.nn.Module, args: Any, kwargs: Any) -> CallKey | str:

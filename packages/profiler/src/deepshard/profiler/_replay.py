@@ -188,7 +188,11 @@ class CallReplay:
         ops: dict[str, list[int]] = {}
         for key, times in self._calls.items():
             if key not in self._counted:
-                self._counted[key] = self._replay(key)
+                try:
+                    self._counted[key] = self._replay(key)
+                except ReplayFailed as error:
+                    self._unreplayable = str(error)  # not tried again on the next read
+                    raise
             counted = self._counted[key]
             for mid, tally in counted.tallies.items():
                 total = tallies[mid]

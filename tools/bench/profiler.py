@@ -4,8 +4,12 @@ One training step of a tiny Hugging Face Llama (forward with the loss, then back
 optimizer, so only what a profiler can slow down is timed) is run plain and under each
 profiler, which stays on for the whole step:
 
-* ``deepshard``: ``FlopsProfiler(model, count_backward=True)`` (counts forward and backward);
+* ``deepshard``: ``FlopsProfiler(model, count_backward=True)`` (counts forward and backward),
+  the default ``count_mode="auto"``: the step runs with module hooks only and the FLOPs are
+  counted when read, from a fake-tensor replay of the recorded calls;
 * ``deepshard-fwd``: the same counting the forward only (what DeepSpeed counts);
+* ``deepshard-eager`` / ``deepshard-fwd-eager``: the same with ``count_mode="eager"`` (a
+  dispatch mode counts every aten operator while the step runs);
 * ``deepspeed``: ``deepspeed.profiling.flops_profiler.FlopsProfiler`` (patches
   ``torch.nn.functional`` and tensor methods, hooks every module);
 * ``flop_counter``: ``torch.utils.flop_counter.FlopCounterMode`` (a dispatch mode, no latency).
@@ -18,8 +22,10 @@ variant's time over DeepSpeed's in the same round, the median over the rounds re
 its range. The target, DeepShard's overhead no worse than DeepSpeed's (a ratio <= 1), is
 decided like for like on ``deepshard-fwd`` (DeepSpeed counts the forward only); the ratio of
 ``deepshard`` (forward and backward, more work) is reported beside it. The bench also prints
-each profiler's forward FLOPs of the Llama and checks the LeNet-5 acceptance numbers against
-DeepSpeed's own ``get_model_profile``; it exits 1 when the target is missed or LeNet differs.
+each profiler's forward FLOPs of the Llama with the time the first read of them took (for
+the replaying variants, the replay: off the timed step, paid once per distinct call), and
+checks the LeNet-5 acceptance numbers against DeepSpeed's own ``get_model_profile``; it exits
+1 when the target is missed or LeNet differs.
 
 Run from the repository root (DeepSpeed comes from the ``bench`` group)::
 
@@ -45,7 +51,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-VARIANTS = ("plain", "deepshard", "deepshard-fwd", "deepspeed", "flop_counter")
+VARIANTS = (
+    "plain",
+    "deepshard",
+    "deepshard-fwd",
+    "deepshard-eager",
+    "deepshard-fwd-eager",
+    "deepspeed",
+    "flop_counter",
+)
 
 
 def _llama(hidden: int, layers: int, device: torch.device) -> nn.Module:
@@ -73,7 +87,11 @@ def _profiled(variant: str, model: nn.Module) -> Iterator[Callable[[], int]]:
     elif variant.startswith("deepshard"):
         from deepshard.profiler import FlopsProfiler
 
-        ours = FlopsProfiler(model, count_backward=variant == "deepshard")
+        ours = FlopsProfiler(
+            model,
+            count_backward="fwd" not in variant,
+            count_mode="eager" if variant.endswith("eager") else "auto",
+        )
         ours.start_profile()
         try:
             yield lambda: int(ours.get_total_flops())
@@ -132,19 +150,23 @@ def _paired_ratio(rounds: list[dict[str, float]], variant: str) -> tuple[float, 
 def _report_times(rounds: list[dict[str, float]]) -> bool:
     """Print the step times, overheads and ratios; whether the target was met."""
     plain = statistics.median(r["plain"] for r in rounds) if "plain" in rounds[0] else None
-    print(f"{'variant':<16}{'median step ms':>16}{'overhead':>10}")
+    print(f"{'variant':<20}{'median step ms':>16}{'overhead':>10}")
     for variant in rounds[0]:
         median = statistics.median(r[variant] for r in rounds)
         overhead = f"{median / plain:>9.2f}x" if plain else f"{'-':>10}"
-        print(f"{variant:<16}{1e3 * median:>16.2f}{overhead}")
+        print(f"{variant:<20}{1e3 * median:>16.2f}{overhead}")
     if "deepspeed" not in rounds[0] or "deepshard-fwd" not in rounds[0]:
         print("target not decided: it needs the deepshard-fwd and deepspeed variants")
         return False
     met = False
-    for variant in ("deepshard-fwd", "deepshard"):
+    for variant in ("deepshard-fwd", "deepshard", "deepshard-fwd-eager", "deepshard-eager"):
         if variant in rounds[0]:
             median, low, high = _paired_ratio(rounds, variant)
-            what = "like for like, the target" if variant == "deepshard-fwd" else "fwd+bwd counted"
+            what = (
+                "like for like, the target"
+                if variant == "deepshard-fwd"
+                else ("fwd+bwd counted" if "fwd" not in variant else "forward counted")
+            )
             print(f"{variant}/deepspeed step time: {median:.3f} (rounds {low:.3f}-{high:.3f}; "
                   f"{what})")  # fmt: skip
             met = met or (variant == "deepshard-fwd" and median <= 1.0)
@@ -153,7 +175,8 @@ def _report_times(rounds: list[dict[str, float]]) -> bool:
     return met
 
 
-def _forward_flops(args: argparse.Namespace, device: torch.device) -> dict[str, int]:
+def _forward_flops(args: argparse.Namespace, device: torch.device) -> dict[str, tuple[int, float]]:
+    """Per variant, the forward FLOPs of one no-grad forward and the seconds the read took."""
     model = _llama(args.hidden, args.layers, device)
     ids = torch.randint(0, 512, (args.batch, args.seq), device=device)
     counts = {}
@@ -162,7 +185,9 @@ def _forward_flops(args: argparse.Namespace, device: torch.device) -> dict[str, 
             continue
         with torch.no_grad(), _profiled(variant, model) as read:
             model(input_ids=ids, labels=ids)
-            counts[variant] = read()
+            start = time.perf_counter()
+            flops = read()
+            counts[variant] = (flops, time.perf_counter() - start)
     return counts
 
 
@@ -224,7 +249,7 @@ def _write_json(args: argparse.Namespace, rounds: list[dict[str, float]]) -> Non
     """Round-by-round ratios of each DeepShard variant to every other profiler and to plain."""
     rows = [
         _bench_json.ratio_row(ours, theirs, "step time", [r[ours] / r[theirs] for r in rounds])
-        for ours in ("deepshard-fwd", "deepshard")
+        for ours in ("deepshard-fwd", "deepshard", "deepshard-fwd-eager", "deepshard-eager")
         for theirs in ("deepspeed", "flop_counter", "plain")
         if ours in rounds[0] and theirs in rounds[0]
     ]
@@ -240,8 +265,8 @@ def main() -> int:
     rounds = _race(args, device)
     met = _report_times(rounds)
     _write_json(args, rounds)
-    for variant, flops in _forward_flops(args, device).items():
-        print(f"forward FLOPs {variant:<16}{flops:>16,}")
+    for variant, (flops, read_s) in _forward_flops(args, device).items():
+        print(f"forward FLOPs {variant:<20}{flops:>16,}   first read {1e3 * read_s:8.2f} ms")
     if args.missing:  # the target needs DeepSpeed: not decided, not failed
         return 0
     ours, theirs = _lenet()

@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from deepshard.profiler import FlopsProfiler, conv_macs, elementwise_flops
+from deepshard.profiler import CountMode, FlopsProfiler, conv_macs, elementwise_flops
 
 
-def _profile(model: nn.Module, *inputs: torch.Tensor) -> tuple[int, int]:
-    prof = FlopsProfiler(model)
+def _profile(model: nn.Module, count_mode: CountMode, *inputs: torch.Tensor) -> tuple[int, int]:
+    prof = FlopsProfiler(model, count_mode=count_mode)
     prof.start_profile()
     model(*inputs)
     flops, macs = prof.get_total_flops(), prof.get_total_macs()
@@ -35,10 +35,12 @@ def _profile(model: nn.Module, *inputs: torch.Tensor) -> tuple[int, int]:
         (nn.ConvTranspose2d(6, 6, 2, stride=2, groups=3), 6_144),
     ],
 )
-def test_transposed_convolution_macs(layer: nn.ConvTranspose2d, macs: int) -> None:
+def test_transposed_convolution_macs(
+    layer: nn.ConvTranspose2d, macs: int, count_mode: CountMode
+) -> None:
     x = torch.randn(2, layer.in_channels, 8, 8)
     out = layer(x)
-    flops, counted = _profile(layer, x)
+    flops, counted = _profile(layer, count_mode, x)
     assert counted == macs
     assert flops == 2 * macs + out.numel()  # the bias adds one per output element
     # The output size the transposed formula gives is the one torch produced.
@@ -47,10 +49,10 @@ def test_transposed_convolution_macs(layer: nn.ConvTranspose2d, macs: int) -> No
     assert out.shape[-1] == (8 - 1) * s - 2 * p + (k - 1) + op + 1
 
 
-def test_convolution_macs_of_grouped_and_depthwise_layers() -> None:
+def test_convolution_macs_of_grouped_and_depthwise_layers(count_mode: CountMode) -> None:
     for groups in (1, 2, 4):
         layer = nn.Conv2d(4, 8, 3, padding=1, groups=groups, bias=False)
-        flops, macs = _profile(layer, torch.randn(2, 4, 6, 6))
+        flops, macs = _profile(layer, count_mode, torch.randn(2, 4, 6, 6))
         assert macs == 2 * 36 * 8 * (4 // groups) * 9 and flops == 2 * macs
     assert conv_macs((2, 4, 8, 8), (4, 1, 3, 3), (2, 4, 16, 16), transposed=True) == 4_608
 
@@ -70,10 +72,10 @@ class _Mul(nn.Module):
     ],
 )
 def test_elementwise_mul_counts_the_broadcast_result(
-    a: tuple[int, ...], b: tuple[int, ...], flops: int
+    a: tuple[int, ...], b: tuple[int, ...], flops: int, count_mode: CountMode
 ) -> None:
     assert elementwise_flops(a, b) == flops
-    assert _profile(_Mul(), torch.randn(a), torch.randn(b)) == (flops, 0)
+    assert _profile(_Mul(), count_mode, torch.randn(a), torch.randn(b)) == (flops, 0)
 
 
 def test_scalar_operands_count_the_tensor() -> None:

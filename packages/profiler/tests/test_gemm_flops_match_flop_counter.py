@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from deepshard.profiler import FlopsProfiler
+from deepshard.profiler import CountMode, FlopsProfiler
 
 
 def _llama() -> nn.Module:
@@ -40,14 +40,16 @@ def _llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-def test_llama_gemm_flops_equal_flop_counter_mode_forward_and_backward() -> None:
+def test_llama_gemm_flops_equal_flop_counter_mode_forward_and_backward(
+    count_mode: CountMode,
+) -> None:
     model = _llama()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     theirs = {str(op).split(".")[-1]: n for op, n in counter.get_flop_counts()["Global"].items()}
     model.zero_grad()
-    prof = FlopsProfiler(model, count_backward=True)
+    prof = FlopsProfiler(model, count_backward=True, count_mode=count_mode)
     prof.start_profile()
     model(input_ids=ids, labels=ids).loss.backward()
     ours = prof.get_flops_by_op()
@@ -88,10 +90,10 @@ class _Gpt(nn.Module):
         return self.head(x)
 
 
-def test_gpt_forward_flops_match_the_analytic_count() -> None:
+def test_gpt_forward_flops_match_the_analytic_count(count_mode: CountMode) -> None:
     vocab, d, layers, heads, t, batch = 512, 128, 2, 4, 64, 2
     model = _Gpt(vocab, d, layers, heads, t)
-    prof = FlopsProfiler(model)
+    prof = FlopsProfiler(model, count_mode=count_mode)
     prof.start_profile()
     with torch.no_grad():
         model(torch.randint(0, vocab, (batch, t)))

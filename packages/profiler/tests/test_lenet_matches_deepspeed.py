@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepshard.profiler import FlopsProfiler, get_model_profile
+from deepshard.profiler import CountMode, FlopsProfiler, get_model_profile
 
 BATCH = 1024
 
@@ -50,18 +50,18 @@ def _derived() -> tuple[int, int]:
     return flops + BATCH * 10, macs  # + softmax
 
 
-def test_lenet_numbers_equal_deepspeeds() -> None:
+def test_lenet_numbers_equal_deepspeeds(count_mode: CountMode) -> None:
     model = LeNet5().to("meta")
     flops, macs, params = get_model_profile(
-        model, input_shape=(BATCH, 1, 32, 32), print_profile=False, warm_up=0
+        model, input_shape=(BATCH, 1, 32, 32), print_profile=False, warm_up=0, count_mode=count_mode
     )
     assert (flops, macs) == _derived()
     assert (flops, macs, params) == (866_076_672, 426_516_480, 61_706)
 
 
-def test_per_module_numbers_add_up_to_the_totals() -> None:
+def test_per_module_numbers_add_up_to_the_totals(count_mode: CountMode) -> None:
     model = LeNet5().to("meta")
-    prof = FlopsProfiler(model)
+    prof = FlopsProfiler(model, count_mode=count_mode)
     prof.start_profile()
     model(torch.empty(BATCH, 1, 32, 32, device="meta"))
     root = prof.profile().root

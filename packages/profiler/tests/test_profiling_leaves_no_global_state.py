@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from deepshard.profiler import FlopsProfiler
+from deepshard.profiler import CountMode, FlopsProfiler
 
 _PATCHED_BY_DEEPSPEED = {
     "torch.bmm": (torch, "bmm"),
@@ -46,8 +46,8 @@ class _Ways(nn.Module):
 _EXPECTED = 4 * 2 * 8 * 16 * 16 + 2 * 2 * (2 * 4 * 4 * 16)  # four GEMMs + QKᵀ and PV
 
 
-def _run(model: nn.Module, x: torch.Tensor) -> int:
-    prof = FlopsProfiler(model)
+def _run(model: nn.Module, x: torch.Tensor, count_mode: CountMode) -> int:
+    prof = FlopsProfiler(model, count_mode=count_mode)
     prof.start_profile()
     with torch.no_grad():
         model(x)
@@ -57,10 +57,12 @@ def _run(model: nn.Module, x: torch.Tensor) -> int:
     return flops
 
 
-def test_every_way_to_a_gemm_is_counted_and_nothing_global_changes() -> None:
+def test_every_way_to_a_gemm_is_counted_and_nothing_global_changes(
+    count_mode: CountMode,
+) -> None:
     before = {name: getattr(owner, attr) for name, (owner, attr) in _PATCHED_BY_DEEPSPEED.items()}
     model, x = _Ways(), torch.randn(8, 16)
-    runs = [_run(model, x) for _ in range(3)]
+    runs = [_run(model, x, count_mode) for _ in range(3)]
     assert runs == [_EXPECTED] * 3
     after = {name: getattr(owner, attr) for name, (owner, attr) in _PATCHED_BY_DEEPSPEED.items()}
     assert all(after[name] is before[name] for name in before)
@@ -68,12 +70,12 @@ def test_every_way_to_a_gemm_is_counted_and_nothing_global_changes() -> None:
     assert _get_current_dispatch_mode() is None
 
 
-def test_compiled_code_is_counted_too() -> None:
+def test_compiled_code_is_counted_too(count_mode: CountMode) -> None:
     model, x = _Ways(), torch.randn(8, 16)
     compiled = torch.compile(model, backend="eager")
     with torch.no_grad():
         compiled(x)  # compile outside the profile
-    prof = FlopsProfiler(model)
+    prof = FlopsProfiler(model, count_mode=count_mode)
     prof.start_profile()
     with torch.no_grad():
         compiled(x)
@@ -82,10 +84,12 @@ def test_compiled_code_is_counted_too() -> None:
     assert flops == _EXPECTED
 
 
-def test_backward_is_counted_when_asked_and_attributed_to_modules() -> None:
+def test_backward_is_counted_when_asked_and_attributed_to_modules(
+    count_mode: CountMode,
+) -> None:
     model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU(), nn.Linear(32, 4, bias=False))
     x = torch.randn(8, 16, requires_grad=True)
-    prof = FlopsProfiler(model, count_backward=True)
+    prof = FlopsProfiler(model, count_backward=True, count_mode=count_mode)
     prof.start_profile()
     model(x).sum().backward()  # the sum is outside the model: not counted
     root = prof.profile().root
@@ -97,9 +101,9 @@ def test_backward_is_counted_when_asked_and_attributed_to_modules() -> None:
     assert root.backward_flops == first.backward_flops + relu.backward_flops + last.backward_flops
 
 
-def test_ignored_module_types_count_nothing() -> None:
+def test_ignored_module_types_count_nothing(count_mode: CountMode) -> None:
     model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False), nn.ReLU())
-    prof = FlopsProfiler(model)
+    prof = FlopsProfiler(model, count_mode=count_mode)
     prof.start_profile(ignore_list=[nn.ReLU])
     model(torch.randn(2, 4))
     assert prof.get_total_flops() == 2 * (2 * 2 * 4 * 4)

@@ -9,7 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from deepshard.profiler import FlopsProfiler, ProfilerError, TrainingStep, get_model_profile
+from deepshard.profiler import (
+    CountMode,
+    FlopsProfiler,
+    ProfilerError,
+    TrainingStep,
+    get_model_profile,
+)
 
 
 def _model() -> nn.Module:
@@ -27,8 +33,12 @@ def _ticks() -> object:
     return clock
 
 
-def test_the_text_report_has_summary_aggregate_and_tree(capsys: pytest.CaptureFixture[str]) -> None:
-    flops, macs, params = get_model_profile(_model(), input_shape=(2, 8), top_modules=2)
+def test_the_text_report_has_summary_aggregate_and_tree(
+    capsys: pytest.CaptureFixture[str], count_mode: CountMode
+) -> None:
+    flops, macs, params = get_model_profile(
+        _model(), input_shape=(2, 8), top_modules=2, count_mode=count_mode
+    )
     text = capsys.readouterr().out
     assert (flops, macs, params) == (
         2 * (2 * 8 * 16 + 2 * 16 * 4) + 2 * 16,
@@ -40,9 +50,9 @@ def test_the_text_report_has_summary_aggregate_and_tree(capsys: pytest.CaptureFi
     assert "FLOPs per operator" in text and "addmm" in text
 
 
-def test_json_output_and_mfu_with_a_given_peak(tmp_path: Path) -> None:
+def test_json_output_and_mfu_with_a_given_peak(tmp_path: Path, count_mode: CountMode) -> None:
     model = _model()
-    prof = FlopsProfiler(model, peak_flops=1e3, clock=_ticks())  # type: ignore[arg-type]
+    prof = FlopsProfiler(model, peak_flops=1e3, clock=_ticks(), count_mode=count_mode)  # type: ignore[arg-type]
     prof.start_profile()
     model(torch.randn(2, 8))
     prof.stop_profile()
@@ -81,9 +91,9 @@ def test_bad_calls_raise_profiler_errors() -> None:
         FlopsProfiler(_model(), peak_flops=0)
 
 
-def test_reset_zeroes_and_stop_keeps_the_numbers() -> None:
+def test_reset_zeroes_and_stop_keeps_the_numbers(count_mode: CountMode) -> None:
     model = _model()
-    prof = FlopsProfiler(model)
+    prof = FlopsProfiler(model, count_mode=count_mode)
     prof.start_profile()
     model(torch.randn(2, 8))
     first = prof.get_total_flops()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepshard.profiler import FlopsProfiler
+from deepshard.profiler import CountMode, FlopsProfiler
 
 
 class _Parent(nn.Module):
@@ -19,10 +19,10 @@ class _Parent(nn.Module):
         return self.layer(x)
 
 
-def test_a_shared_module_is_counted_once_in_the_totals() -> None:
+def test_a_shared_module_is_counted_once_in_the_totals(count_mode: CountMode) -> None:
     shared = nn.Linear(100, 100)
     model = nn.Sequential(_Parent(shared), _Parent(shared), _Parent(shared))
-    prof = FlopsProfiler(model)
+    prof = FlopsProfiler(model, count_mode=count_mode)
     prof.start_profile()
     model(torch.randn(1, 100))
     assert prof.get_total_flops() == 60_000

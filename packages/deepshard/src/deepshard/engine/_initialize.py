@@ -305,6 +305,8 @@ def initialize(
                 if isinstance(zero, Stage3Optimizer)
                 else None
             ),
+            # stage 3 gathers parameters in module hooks: a replay must not run them again
+            count_mode="eager" if isinstance(zero, Stage3Optimizer) else "auto",
         ),
     )
     built = _loader(training_data, collate_fn, parsed, batch, dims)

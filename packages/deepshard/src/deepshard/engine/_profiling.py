@@ -7,19 +7,33 @@ when that step's optimizer step has run, the profile is printed (or written to
 wall-clock timers, the samples per second and the TFLOPS per device, then profiling ends. The
 other ranks never profile, so they pay nothing. ``recompute_fwd_factor`` is taken off the
 counted FLOPs for the utilisation (recomputed forwards are counted in backward).
+
+The operators are counted from a fake-tensor replay of the step's forward calls when the
+profile is printed (``count_mode="auto"``), so the latencies printed are those of an unslowed
+step; at ZeRO stage 3, whose hooks gather parameters, they are counted eagerly. When the replay
+fails (shapes that depend on values), the next step is profiled instead, counted eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from deepshard.interface import BatchSizes
 from deepshard.interface.config import FlopsProfilerConfig
-from deepshard.profiler import FlopsProfiler, StepTimes, TrainingStep
+from deepshard.profiler import (
+    CountMode,
+    FlopsProfiler,
+    ProfilerReplayError,
+    StepTimes,
+    TrainingStep,
+)
 
 __all__ = ["StepProfiling"]
+
+_log = logging.getLogger("deepshard.engine")
 
 
 class StepProfiling:
@@ -34,6 +48,8 @@ class StepProfiling:
         batch: The reconciled batch sizes.
         param_numel: The elements a parameter stands for in the profile's parameter counts
             (the full size of a ZeRO stage-3 parameter); ``numel()`` by default.
+        count_mode: How the profiler counts; ``"eager"`` where a replay must not run the
+            model's hooks again (ZeRO stage 3 gathers parameters in them).
     """
 
     def __init__(
@@ -46,12 +62,15 @@ class StepProfiling:
         dp_size: int,
         batch: BatchSizes,
         param_numel: Callable[[torch.nn.Parameter], int] | None = None,
+        count_mode: CountMode = "auto",
     ) -> None:
         self.config = config
         self._active = config.enabled and rank == 0
         self._world_size = world_size
         self._dp_size = dp_size
         self._batch = batch
+        self.profile_step = config.profile_step
+        """The step profiled: the configured one, or a later one when a replay failed."""
         self.profiler: FlopsProfiler | None = None
         if self._active:
             self.profiler = FlopsProfiler(
@@ -59,12 +78,13 @@ class StepProfiling:
                 count_backward=True,
                 recompute_fwd_factor=config.recompute_fwd_factor,
                 param_numel=param_numel,
+                count_mode=count_mode,
             )
 
     def before_forward(self, global_step: int) -> None:
         """Start profiling at the first forward pass of the profile step."""
         prof = self.profiler
-        if prof is not None and global_step == self.config.profile_step and not prof.started:
+        if prof is not None and global_step == self.profile_step and not prof.started:
             prof.start_profile()
 
     def after_step(self, finished_step: int, times: StepTimes) -> None:
@@ -75,9 +95,16 @@ class StepProfiling:
             times: Its phase times from the engine's timers.
         """
         prof = self.profiler
-        if prof is None or not prof.started or finished_step != self.config.profile_step:
+        if prof is None or not prof.started or finished_step != self.profile_step:
             return
         prof.stop_profile()
+        try:
+            prof.profile()  # counts now (the replay)
+        except ProfilerReplayError as error:
+            _log.warning("%s: profiling step %d instead", error, finished_step + 1)
+            prof.end_profile()
+            self.profile_step = finished_step + 1  # the profiler now counts eagerly
+            return
         cfg = self.config
         training = TrainingStep(
             world_size=self._world_size,

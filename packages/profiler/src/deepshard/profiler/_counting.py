@@ -30,6 +30,10 @@ What keeps it cheap (every aten operator of a step passes through the mode, a Py
   runs (pushed when the stack becomes non-empty, popped when it empties): operators outside
   the model, the backward among them, then run at full speed — nothing there would count.
 
+Built with ``counting=False`` (replay counting, `deepshard.profiler._replay`), the recorder
+only times the modules and hands each outermost call that returned to ``on_call``; the mode is
+never pushed, so the profiled step pays the hooks alone.
+
 Nothing global is modified: the mode is pushed on the thread's mode stack and popped, the
 hooks are removed by handle, and no attribute is set on a module or tensor.
 """
@@ -37,8 +41,10 @@ hooks are removed by handle, and no attribute is set on a module or tensor.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +92,8 @@ class _Frame:
     module_id: int
     start_s: float
     outer_stack: Stack
+    call: tuple[Any, Any] | None = None
+    """``(args, kwargs)`` of an outermost call, kept until it returns (when calls are recorded)."""
 
 
 @dataclass
@@ -129,6 +137,9 @@ class Recorder:
         count_backward: Also count the backward operators of nodes the model's forward recorded.
         synchronize: Waits for queued device work before each clock reading.
         clock: Monotonic seconds.
+        counting: Count operators (the dispatch mode); False times the modules only.
+        on_call: Given ``(module, args, kwargs)`` of each outermost call that returned (not
+            one that raised): the replay records the calls it counts later.
     """
 
     def __init__(
@@ -139,9 +150,13 @@ class Recorder:
         count_backward: bool,
         synchronize: Callable[[], None],
         clock: Callable[[], float] = time.perf_counter,
+        counting: bool = True,
+        on_call: Callable[[torch.nn.Module, Any, Any], None] | None = None,
     ) -> None:
         self.model = model
-        self.count_backward = count_backward
+        self.count_backward = count_backward and counting
+        self._counting = counting
+        self._on_call = on_call
         self._ignore_types = ignore_types
         self._synchronize = synchronize
         self._clock = clock
@@ -160,6 +175,12 @@ class Recorder:
 
     def install(self) -> None:
         """Register the hooks on every module (and, counting backward, push the mode)."""
+        self._add_hooks()
+        self._installed = True
+        if self.count_backward:
+            self._push_mode()
+
+    def _add_hooks(self) -> None:
         # The hooks are bookkeeping that must run as written (they push the mode, read clocks):
         # a compiled model graph-breaks around them rather than tracing them.
         enter, leave = _eager(self._enter), _eager(self._leave)
@@ -169,11 +190,23 @@ class Recorder:
             ignored = isinstance(module, self._ignore_types)
             pre = enter_ignored if ignored else enter
             post = leave_ignored if ignored else leave
-            self._handles.append(module.register_forward_pre_hook(pre))
+            self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(module.register_forward_hook(post, always_call=True))
-        self._installed = True
-        if self.count_backward:
-            self._push_mode()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Without this recorder's hooks inside the block (a replay of the model runs there);
+        the stack, frames and tallies are kept."""
+        if not self._installed or self._mode_on:
+            yield  # a counting recorder with its mode on is never suspended: nothing to do
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        try:
+            yield
+        finally:
+            self._add_hooks()
 
     def remove(self) -> None:
         """Pop the mode and remove every hook (the tallies are kept)."""
@@ -239,6 +272,8 @@ class Recorder:
     def _set_stack(self, stack: Stack) -> None:
         """Make ``stack`` current: its accumulators, a segment, the mode when forward-only."""
         self._stack = stack
+        if not self._counting:
+            return
         if self._ignoring == 0:
             self._current = self._forward_counter()
             self._mark(stack)
@@ -254,14 +289,16 @@ class Recorder:
             backward = self._counts.backward.setdefault(stack, [0, 0]) if stack else None
             self._counts.segments.mark(backward)
 
-    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+    def _enter(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if torch._C._current_autograd_node() is not None:
             return  # recomputation inside backward: the backward's work
         mid = id(module)
         outer = self._stack
+        recorded = self._on_call is not None and not outer and not self._ignoring
+        call = (args, kwargs) if recorded else None
         self._set_stack(outer if mid in outer else (*outer, mid))
         self._synchronize()
-        self._frames.append(_Frame(mid, self._clock(), outer))
+        self._frames.append(_Frame(mid, self._clock(), outer, call))
 
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch._C._current_autograd_node() is not None or not self._frames:
@@ -274,8 +311,12 @@ class Recorder:
         if frame.module_id not in frame.outer_stack:  # not nested in a call of itself
             timing.duration_s += end - frame.start_s
         self._set_stack(frame.outer_stack)
+        # The hook runs inside torch's `except` when the forward raised (always_call).
+        raised = output is None and sys.exc_info()[0] is not None
+        if frame.call is not None and self._on_call is not None and not raised:
+            self._on_call(module, *frame.call)
 
-    def _enter_ignored(self, module: torch.nn.Module, args: Any) -> None:
+    def _enter_ignored(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if torch._C._current_autograd_node() is None:
             self._ignoring += 1
             self._current = None

@@ -5,6 +5,13 @@ The API and its defaults are DeepSpeed's (``start_profile`` / ``stop_profile`` /
 what is counted comes from `deepshard.profiler._counting`, so nothing in ``torch`` is replaced
 and a second profiling run gives the same numbers as the first.
 
+``count_mode`` says when the operators are counted: ``"eager"`` while the profiled step runs
+(a dispatch mode on the timed path), ``"replay"`` after it, from a replay of the recorded calls
+on fake tensors (`deepshard.profiler._replay`; the timed step has the module hooks only), and
+``"auto"`` (the default) replays until a replay fails, then logs one line saying why and counts
+eagerly from the next ``start_profile()``. A profile whose replay failed has no numbers: reading
+them is a `ProfilerReplayError` (`get_model_profile` profiles once more, eagerly).
+
 Deliberate differences: ``ignore_list`` really leaves the listed module types out (DeepSpeed
 only drops their rows and still adds their functionals to the parent); each parent of a shared
 module holds only what ran inside its own call; asking for numbers when nothing is profiled is
@@ -14,17 +21,19 @@ a `ProfilerError`, not an ``AttributeError`` or a silent return.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import torch
 
 from deepshard.interface.errors import DeepShardError
-from deepshard.profiler._counting import Recorder
+from deepshard.profiler._counting import ModuleTally, Recorder
 from deepshard.profiler._peak import peak_flops_of
+from deepshard.profiler._replay import CallReplay, ReplayFailed, foreign_hooks
 from deepshard.profiler._report import (
     ModelProfile,
     TrainingStep,
@@ -34,11 +43,21 @@ from deepshard.profiler._report import (
     profile_text,
 )
 
-__all__ = ["FlopsProfiler", "ProfilerError", "get_model_profile"]
+__all__ = ["CountMode", "FlopsProfiler", "ProfilerError", "ProfilerReplayError"]
+
+CountMode = Literal["auto", "replay", "eager"]
+"""When operators are counted: during the step, from a replay after it, or replay-then-eager."""
+
+_COUNT_MODES = ("auto", "replay", "eager")
+_log = logging.getLogger("deepshard.profiler")
 
 
 class ProfilerError(DeepShardError, RuntimeError):
     """The profiler was asked for numbers it does not have, or given arguments it cannot use."""
+
+
+class ProfilerReplayError(ProfilerError):
+    """The recorded calls of a profile could not be replayed on fake tensors to count them."""
 
 
 def _device_synchronizer(model: torch.nn.Module) -> Callable[[], None]:
@@ -69,6 +88,14 @@ class FlopsProfiler:
         param_numel: The elements a parameter stands for in the parameter counts; by default
             ``numel()``. Under ZeRO stage 3 a parameter is empty between uses, and the engine
             passes its owner's full count (DeepSpeed reads ``ds_numel`` for the same reason).
+        count_mode: ``"replay"`` counts after the step from a fake-tensor replay of its calls
+            (the timed step pays only the module hooks); ``"eager"`` counts while it runs (a
+            dispatch mode, ~10 us per operator; for models whose shapes depend on values, or
+            whose modules gather their parameters in hooks); ``"auto"`` replays and, after a
+            replay fails, counts eagerly from the next ``start_profile()``.
+
+    Raises:
+        ProfilerError: ``peak_flops`` is not positive or ``count_mode`` is unknown.
     """
 
     def __init__(
@@ -81,9 +108,15 @@ class FlopsProfiler:
         synchronize: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         param_numel: Callable[[torch.nn.Parameter], int] | None = None,
+        count_mode: CountMode = "auto",
     ) -> None:
         if peak_flops is not None and peak_flops <= 0:
             raise ProfilerError(f"peak_flops must be positive FLOP/s, got {peak_flops}")
+        if count_mode not in _COUNT_MODES:
+            raise ProfilerError(f"count_mode must be one of {_COUNT_MODES}, got {count_mode!r}")
+        self.count_mode: CountMode = count_mode
+        self._fallback: str | None = None  # why "auto" counts eagerly now (a replay failed)
+        self._replay: CallReplay | None = None
         self.model = model
         self.count_backward = count_backward
         self.recompute_fwd_factor = recompute_fwd_factor
@@ -117,14 +150,34 @@ class FlopsProfiler:
                 f"ignore_list takes torch.nn.Module classes (e.g. [torch.nn.Dropout]), got {bad}"
             )
         self.end_profile()
+        if self.count_mode == "auto" and self._fallback is None:
+            hooked = foreign_hooks(self.model)
+            if hooked is not None:
+                self._fallback = hooked
+                _log.info("FLOPs profiler: counting eagerly: %s (a replay runs them again)", hooked)
+        replay = None
+        if self.count_mode == "replay" or (self.count_mode == "auto" and self._fallback is None):
+            replay = CallReplay(
+                self.model, ignore_types=ignored, count_backward=self.count_backward
+            )
+        self._replay = replay
         self._recorder = Recorder(
             self.model,
             ignore_types=ignored,
             count_backward=self.count_backward,
             synchronize=self._synchronize,
             clock=self._clock,
+            counting=replay is None,
+            on_call=None if replay is None else replay.record,
         )
         self._recorder.install()
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the current (or next) profile is counted from a replay, not eagerly."""
+        if self._recorder is not None:
+            return self._replay is not None
+        return self.count_mode == "replay" or (self.count_mode == "auto" and not self._fallback)
 
     def stop_profile(self) -> None:
         """Stop counting; the numbers stay readable until ``end_profile``."""
@@ -135,11 +188,13 @@ class FlopsProfiler:
         """Zero the numbers; counting goes on if it was on."""
         if self._recorder is not None:
             self._recorder.reset()
+        if self._replay is not None:
+            self._replay.reset()
 
     def end_profile(self) -> None:
         """Stop counting and forget the numbers (every hook and the mode are gone)."""
         self.stop_profile()
-        self._recorder = None
+        self._recorder, self._replay = None, None
 
     # --- numbers -------------------------------------------------------------------------
 
@@ -159,18 +214,48 @@ class FlopsProfiler:
 
         Raises:
             ProfilerError: Nothing is being profiled.
+            ProfilerReplayError: The profile's calls could not be replayed to count them.
         """
-        recorder = self._require()
+        tallies, ops = self._counts(self._require())
         peak = self._peak if self._peak is not None else self._known_peak()
         return build_profile(
             self.model,
-            recorder.tallies,
-            recorder.ops,
+            tallies,
+            ops,
             backward_counted=self.count_backward,
             peak_flops=peak,
             training=training,
             param_numel=self._param_numel,
         )
+
+    def _counts(self, recorder: Recorder) -> tuple[dict[int, ModuleTally], dict[str, list[int]]]:
+        """Per-module tallies and per-operator FLOPs: the recorder's, or the replay's."""
+        if self._replay is None:
+            return recorder.tallies, recorder.ops
+        try:
+            with recorder.suspended():  # the replay's calls are not the profiled step's
+                counted, ops = self._replay.counts()
+        except ReplayFailed as error:
+            if self.count_mode == "auto" and self._fallback is None:
+                self._fallback = str(error)
+                _log.warning(
+                    "FLOPs profiler: the fake-tensor replay of the profiled calls failed (%s); "
+                    "the next start_profile() counts eagerly",
+                    error,
+                )
+            fix = (
+                "profile again: the next start_profile() counts eagerly"
+                if self.count_mode == "auto"
+                else "use FlopsProfiler(..., count_mode='eager') or 'auto'"
+            )
+            raise ProfilerReplayError(
+                f"the FLOPs of this profile could not be counted by replaying its calls on fake "
+                f"tensors ({error}); {fix}"
+            ) from error
+        for mid, timing in recorder.tallies.items():
+            tally = counted.setdefault(mid, ModuleTally())
+            tally.duration_s, tally.calls = timing.duration_s, timing.calls
+        return counted, ops
 
     def _known_peak(self) -> float | None:
         param = next(self.model.parameters(), None)
@@ -238,7 +323,7 @@ class FlopsProfiler:
             ProfilerError: Nothing is being profiled, or ``module_depth``/``top_modules`` is out
                 of range.
         """
-        _check_view(module_depth, top_modules)
+        check_view(module_depth, top_modules)
         profile = self.profile(training=training)
         if output_file is not None and str(output_file).endswith(".json"):
             data = {"profile_step": profile_step, **profile.as_json()}
@@ -262,11 +347,11 @@ class FlopsProfiler:
         Raises:
             ProfilerError: Nothing is being profiled, or an argument is out of range.
         """
-        _check_view(module_depth, top_modules)
+        check_view(module_depth, top_modules)
         print(aggregated_text(self.profile(), module_depth, top_modules))
 
 
-def _check_view(module_depth: int, top_modules: int) -> None:
+def check_view(module_depth: int, top_modules: int) -> None:
     if module_depth < -1:
         raise ProfilerError(f"module_depth must be -1 (all levels) or >= 0, got {module_depth}")
     if top_modules < 1:
@@ -277,80 +362,3 @@ def _write(path: str | Path, text: str) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text)
-
-
-def _model_inputs(
-    model: torch.nn.Module,
-    input_shape: tuple[int, ...] | None,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-) -> tuple[Any, ...]:
-    if input_shape is None:
-        if not args and not kwargs:
-            raise ProfilerError("get_model_profile needs input_shape, args or kwargs")
-        return tuple(args)
-    if not isinstance(input_shape, tuple) or not input_shape:
-        raise ProfilerError(f"input_shape must be a non-empty tuple, got {input_shape!r}")
-    param = next(model.parameters(), None)
-    if param is None:
-        return (torch.ones(input_shape),)
-    return (torch.ones(input_shape, dtype=param.dtype, device=param.device),)
-
-
-def get_model_profile(
-    model: torch.nn.Module,
-    input_shape: tuple[int, ...] | None = None,
-    args: Sequence[Any] = (),
-    kwargs: dict[str, Any] | None = None,
-    print_profile: bool = True,
-    detailed: bool = True,
-    module_depth: int = -1,
-    top_modules: int = 1,
-    warm_up: int = 1,
-    as_string: bool = False,
-    output_file: str | Path | None = None,
-    ignore_modules: Sequence[type] | None = None,
-) -> tuple[int | str, int | str, int | str]:
-    """Profile one forward pass of ``model`` (in eval mode) after ``warm_up`` unprofiled ones.
-
-    Args:
-        model: The model.
-        input_shape: When given, the model is called with one tensor of ones of this shape
-            (the dtype and device of its parameters).
-        args: Positional inputs (used when ``input_shape`` is None).
-        kwargs: Keyword inputs.
-        print_profile: Print (or write) the profile.
-        detailed: Include the module tree in it.
-        module_depth: Deepest level shown; -1 for all.
-        top_modules: Classes per depth in the aggregated part.
-        warm_up: Unprofiled forward passes first (latency after warm-up is representative).
-        as_string: Return the numbers as strings with metric prefixes.
-        output_file: Where the profile goes (``.json`` for JSON); standard output when None.
-        ignore_modules: Module types left out.
-
-    Returns:
-        ``(flops, macs, params)`` of the forward pass.
-
-    Raises:
-        ProfilerError: No inputs, a bad ``input_shape``, or a bad view argument.
-    """
-    _check_view(module_depth, top_modules)
-    inputs, named = _model_inputs(model, input_shape, args, kwargs or {}), kwargs or {}
-    model.eval()
-    for _ in range(warm_up):
-        model(*inputs, **named)
-    prof = FlopsProfiler(model)
-    prof.start_profile(ignore_list=ignore_modules)
-    try:
-        model(*inputs, **named)
-        prof.stop_profile()
-        if print_profile:
-            prof.print_model_profile(warm_up, module_depth, top_modules, detailed, output_file)
-        results = (
-            prof.get_total_flops(as_string),
-            prof.get_total_macs(as_string),
-            prof.get_total_params(as_string),
-        )
-    finally:
-        prof.end_profile()
-    return results

@@ -160,3 +160,34 @@ def double_counted_norm(model: torch.nn.Module, tp: int) -> float:
         copies = 1 if name in SPLIT else tp
         total += copies * float(param.grad.double().pow(2).sum())
     return total**0.5
+
+
+GLOBAL_ROWS = 8
+"""Rows of `global_batch`: every dp size (1, 2, 4) splits it evenly."""
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch of ``step``; dp rank ``d`` of ``dp`` trains on `dp_rows` of it."""
+    g = torch.Generator().manual_seed(5000 + step)
+    return torch.randn(GLOBAL_ROWS, D, generator=g), 3 * torch.randn(GLOBAL_ROWS, D, generator=g)
+
+
+def dp_rows(tensors: tuple[torch.Tensor, ...], dp: int, d: int) -> tuple[torch.Tensor, ...]:
+    """Dp rank ``d``'s equal share of each tensor's rows (the mean over ranks is the mean)."""
+    return tuple(t.chunk(dp)[d] for t in tensors)
+
+
+def reference_run(steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """One process on `global_batch`: losses and the parameters after every step."""
+    model = full_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, params = [], []
+    for step in range(steps):
+        loss = loss_of(model, *global_batch(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        inner.step()
+        inner.zero_grad()
+        losses.append(loss.item())
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return losses, params

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from deepshard.interface.config._base import ConfigModel, raw_problems_error
 from deepshard.interface.config._dtypes import DtypeName, normalize_dtype
@@ -57,11 +57,15 @@ class TpLayerSpecConfig(ConfigModel):
     grad_allreduce: bool = False
     """All-reduce the gradient of a replicated (skip) weight across TP ranks."""
 
-    shape: list[int] | None = None
-    """View the weight as this shape before splitting (fused projections, e.g. ``[2, -1]``)."""
+    shape: list[int | list[int]] | None = None
+    """The weight's logical shape, one entry per dimension (``-1``: inferred). At the split
+    dimension, an integer ``n`` says it is made of ``n`` equal sub-parameters (``[2, -1]`` for a
+    fused gate_up) and a list gives unequal ones (``[[q, k, v], -1]`` for a GQA fused QKV); each
+    sub-parameter is split on its own."""
 
-    partition_dim: int | None = None
-    """Dimension of ``shape`` to split; None uses the partition type's default."""
+    partition_dim: int | None = Field(None, ge=0)
+    """Dimension of ``shape`` to split; None uses the partition type's default (0 for column,
+    1 for row)."""
 
     model_types: list[str] | None = None
     """Only apply to these HF ``model_type`` values; None applies to all."""
@@ -70,6 +74,41 @@ class TpLayerSpecConfig(ConfigModel):
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> TpLayerSpecConfig:
+        if self.shape is None:
+            return self
+        split_dim = self.split_dim
+        problems: list[tuple[str, str]] = []
+        if split_dim >= len(self.shape):
+            problems.append(
+                ("partition_dim", f"{split_dim} is out of range for shape {self.shape}")
+            )
+        for dim, entry in enumerate(self.shape):
+            if isinstance(entry, list):
+                if dim != split_dim:
+                    problems.append(
+                        (
+                            "shape",
+                            f"a list of sub-parameter sizes belongs at the split "
+                            f"dimension {split_dim}, not at dimension {dim}",
+                        )
+                    )
+                elif not entry or any(size <= 0 for size in entry):
+                    problems.append(("shape", f"sub-parameter sizes {entry} must be positive"))
+            elif entry == 0 or entry < -1:
+                problems.append(("shape", f"dimension {dim} is {entry}: use a positive size or -1"))
+        if problems:
+            raise raw_problems_error(problems)
+        return self
+
+    @property
+    def split_dim(self) -> int:
+        """The dimension split: ``partition_dim``, else 0 for column and 1 for row/skip."""
+        if self.partition_dim is not None:
+            return self.partition_dim
+        return 0 if self.partition_type == "column" else 1
 
 
 class TpPartitionConfig(ConfigModel):
@@ -85,6 +124,13 @@ class TpPartitionConfig(ConfigModel):
 
     embedding_partition_dim: int = Field(1, ge=0)
     """Dimension embeddings are split along."""
+
+    strict_mode: bool = False
+    """Refuse a model with a Linear that no layer spec matches (instead of leaving it whole)."""
+
+    lm_head_patterns: list[str] = Field(default_factory=lambda: ["lm_head", "embed_out"])
+    """Names (last component of the module name) of the output projection: planned column
+    with ``gather_output`` in training, kept replicated when tied to the input embedding."""
 
 
 class TensorParallelConfig(ConfigModel):

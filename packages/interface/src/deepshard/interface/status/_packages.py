@@ -63,9 +63,10 @@ PACKAGES: tuple[PackageStatus, ...] = (
     PackageStatus(
         "deepshard-autotp",
         "deepshard.autotp",
-        None,
-        "automatic tensor parallelism for HF-style models",
-        "planned",
+        "packages/autotp",
+        "AutoTP plans (specs, presets, HF `tp_plan`, structure), per-model `AutoTPMeta`, "
+        "KV-group shard sizes (available); `parallelize` and the TP layers (planned)",
+        "partial",
     ),
     PackageStatus(
         "deepshard-autoep",

@@ -24,10 +24,17 @@ from typing import Any
 import torch
 
 from deepshard.comm import ParallelDims, all_reduce
+from deepshard.interface import PlacementRegistry
 from deepshard.interface.config import DeepShardConfig
 from deepshard.interface.errors import ConfigError
 
-__all__ = ["TpInputCheck", "check_tp_layout", "input_fingerprint", "tp_config_problems"]
+__all__ = [
+    "TpInputCheck",
+    "apply_tensor_parallel",
+    "check_tp_layout",
+    "input_fingerprint",
+    "tp_config_problems",
+]
 
 _AUTOTP = "tensor_parallel.autotp_size"
 _TP_SIZE = "tensor_parallel.tp.tp_size"
@@ -87,6 +94,27 @@ def check_tp_layout(
             f"{key}: {size} differs from the mesh's tp axis of size {dims.topology.tp}; "
             "remove the key (the mesh decides) or build the mesh with the same tp"
         )
+
+
+def apply_tensor_parallel(
+    model: torch.nn.Module, config: DeepShardConfig, *, dims: ParallelDims
+) -> PlacementRegistry | None:
+    """Split ``model`` over the mesh's ``tp`` axis (`deepshard.autotp.parallelize`), before the
+    cast; ``None`` (nothing done) when ``tp`` has one rank.
+
+    Gradients that are partial sums over TP are left to ZeRO, which sums them at the step
+    (`deepshard.autotp.defer_grad_allreduce`).
+
+    Returns:
+        Every parameter's placement, for `deepshard.zero.shard`.
+    """
+    if dims.topology.tp == 1:
+        return None
+    from deepshard.autotp import defer_grad_allreduce, parallelize, tp_state
+
+    parallelize(model, dims, config.tensor_parallel)
+    defer_grad_allreduce(model)
+    return tp_state(model).placements
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

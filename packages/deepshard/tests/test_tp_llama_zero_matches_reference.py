@@ -11,7 +11,6 @@ partial sums over TP, summed by ZeRO at the step) is checked at ZeRO-2.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -6,6 +6,7 @@ steps through ``initialize`` at (TP 2, DP 2, ZeRO-1) on 4 gloo ranks and saves w
 (TP 1, DP 4, ZeRO-2) and (TP 4, DP 1, ZeRO-0), built from other weights, load it: their logits
 equal the one-process reference's after `SAVED` steps and `MORE` further steps give the
 reference's losses (masters, moments and step counts restored across the reshape).
+``ds-checkpoint export`` of the TP checkpoint writes the full (unsharded) weights.
 """
 
 from __future__ import annotations
@@ -85,14 +86,16 @@ def _load(mesh: Any, root: str, stage: int) -> dict[str, Any]:
     return {"logits": logits, "losses": _train(engine, range(SAVED, SAVED + MORE))}
 
 
-def _reference() -> tuple[list[float], torch.Tensor]:
+def _reference() -> tuple[list[float], torch.Tensor, dict[str, torch.Tensor]]:
+    """Losses of every step, logits and the weights after `SAVED` steps, in one process."""
     model = _model(0)
     inner = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
-    losses, probe = [], None
+    losses, probe, weights = [], None, {}
     for step in range(SAVED + MORE):
         if step == SAVED:
             with torch.no_grad():
                 probe = model(input_ids=_global_batch(0)).logits
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         ids = _global_batch(step)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -101,7 +104,7 @@ def _reference() -> tuple[list[float], torch.Tensor]:
         inner.zero_grad()
         losses.append(loss.item())
     assert probe is not None
-    return losses, probe
+    return losses, probe, weights
 
 
 def _mean_over_dp(per_rank: list[list[float]], tp: int) -> list[float]:
@@ -128,7 +131,7 @@ def test_engine_tp_checkpoint_loads_at_other_sizes(
     from deepshard.interface import Topology
 
     ckpt, saved_losses = saved
-    ref_losses, probe = _reference()
+    ref_losses, probe, _ = _reference()
     # the per-rank losses are of each dp rank's half of the batch: their mean is the batch's
     assert _mean_over_dp(saved_losses, 2) == pytest.approx(ref_losses[:SAVED], rel=1e-5)
     per_rank = run_on_mesh(
@@ -143,3 +146,22 @@ def test_engine_tp_checkpoint_loads_at_other_sizes(
         torch.testing.assert_close(got["logits"], probe, rtol=1e-4, atol=1e-5)
     losses = _mean_over_dp([got["losses"] for got in per_rank], tp)
     assert losses == pytest.approx(ref_losses[SAVED:], rel=1e-5)
+
+
+def test_export_of_a_tp_checkpoint_gives_full_weights(
+    saved: tuple[Path, list[list[float]]], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from deepshard.checkpoint.cli import main
+
+    ckpt, _ = saved
+    assert main(["export", str(ckpt), str(tmp_path / "hf"), "--tag", "tp2"]) == 0
+    exported: dict[str, torch.Tensor] = {}
+    for path in sorted((tmp_path / "hf").glob("*.safetensors")):
+        exported.update(load_file(str(path)))
+    _, _, weights = _reference()
+    assert set(weights) <= set(exported)
+    for name, want in weights.items():
+        assert tuple(exported[name].shape) == tuple(want.shape), name  # whole, not a TP slice
+        torch.testing.assert_close(exported[name], want, rtol=1e-5, atol=1e-5, msg=name)

@@ -61,3 +61,16 @@ def test_tp_placements_without_parallel_dims_are_refused() -> None:
     registry = PlacementRegistry(Topology(dp=2, tp=2), {"a": SLICED})
     with pytest.raises(ConfigError, match="parallel_dims="):
         tp_group_for(registry, None)
+
+
+def test_muon_over_tp_parameters_is_refused_with_the_key() -> None:
+    from types import SimpleNamespace
+
+    from deepshard.zero._tp import tp_problems
+
+    with_tp, without = SimpleNamespace(tp_group=object()), SimpleNamespace(tp_group=None)
+    ((key, message),) = tp_problems(with_tp, transformed=True)  # type: ignore[arg-type]
+    assert key == "optimizer.type" and "Muon under tensor parallelism" in message
+    assert tp_problems(with_tp, transformed=False) == []  # type: ignore[arg-type]
+    assert tp_problems(without, transformed=True) == []  # type: ignore[arg-type]
+    assert tp_problems(None, transformed=True) == []

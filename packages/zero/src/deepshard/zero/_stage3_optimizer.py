@@ -59,7 +59,7 @@ from deepshard.zero._stage3_offload import build_stage3_offload, follow_partitio
 from deepshard.zero._stage3_owner import Stage3PartitionAccess
 from deepshard.zero._stage3_states import Stage3States
 from deepshard.zero._step import NormSettings, StepResult, checked_norm
-from deepshard.zero._tp import sharded_tp_grads
+from deepshard.zero._tp import sharded_tp_grads, tp_problems
 from deepshard.zero.layout import FlatLayout
 from deepshard.zero.norms import check_norm_type, scale_factor
 from deepshard.zero.optimizer import ZeroOptimizer
@@ -123,6 +123,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         )
         if sharded.mixed_groups:
             problems += mixed_group_problems(self.config, transformed=transformed)
+        problems += tp_problems(sharded, transformed=transformed)
         if problems:
             raise ConfigError.from_problems(problems)
         if group is not None and resolve_group(group) is not sharded.group:

@@ -45,6 +45,7 @@ __all__ = [
     "sharded_tp_grads",
     "tp_grads",
     "tp_group_for",
+    "tp_problems",
 ]
 
 Range = tuple[int, int]
@@ -195,3 +196,19 @@ def sharded_tp_grads(sharded: ShardedModule) -> TensorParallelGrads | None:
         (i.unit, i.local_offset, i.local_offset + i.local_numel, i.shard.placement) for i in infos
     )
     return tp_grads(sharded.tp_group, entries, len(sharded.plans))
+
+
+def tp_problems(
+    sharded: ResidentModule | ShardedModule | None, *, transformed: bool
+) -> list[tuple[str, str]]:
+    """``(key, message)`` for what ZeRO does not run over tensor-parallel parameters yet."""
+    if sharded is None or sharded.tp_group is None or not transformed:
+        return []
+    return [
+        (
+            "optimizer.type",
+            "Muon under tensor parallelism is not supported: Newton-Schulz needs each full "
+            "matrix, and a TP rank holds a slice (a gather across tp per step is not built); "
+            "use AdamW, or train without tensor_parallel.autotp_size",
+        )
+    ]

@@ -73,7 +73,7 @@ from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
 from deepshard.zero._state_shards import StateShardAccess
 from deepshard.zero._states import StateOffload
 from deepshard.zero._step import NormSettings, StepResult, checked_norm, step_inner
-from deepshard.zero._tp import resident_tp_grads
+from deepshard.zero._tp import resident_tp_grads, tp_problems
 from deepshard.zero.layout import plan_gather_calls
 from deepshard.zero.norms import check_norm_type, scale_factor
 from deepshard.zero.reduction import GradientReduction
@@ -182,6 +182,7 @@ class ZeroOptimizer(
         given |= {"grad_accum_dtype": grad_accum_dtype}
         given |= {"placements": placements, "comms_logger": comms_logger}
         problems += model_side_problems(self.config, sharded, given)
+        problems += tp_problems(sharded, transformed=transformed)
         if problems:
             raise ConfigError.from_problems(problems)
         if sharded is None:  # the params-only form; resolve_group refuses a missing group

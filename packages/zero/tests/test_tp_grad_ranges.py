@@ -10,7 +10,7 @@ import torch
 
 from deepshard.interface import ParamPlacement, PlacementRegistry, Shard, Topology
 from deepshard.interface.errors import ConfigError
-from deepshard.zero._tp import needs_tp, tp_group_for, tp_grads
+from deepshard.zero._tp import needs_tp, tp_grads, tp_group_for
 
 REPLICATED = ParamPlacement.replicated((4,), "float32")
 SLICED = ParamPlacement.replicated((8,), "float32").with_axis("tp", Shard(0))

@@ -169,7 +169,10 @@ def test_each_bad_config_is_a_config_error_naming_the_key(
 @pytest.mark.parametrize(
     ("config", "key"),
     [
-        ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
+        (
+            {"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}},
+            "tensor_parallel.autotp_size",
+        ),
         (
             {"data_efficiency": {"data_routing": {"enabled": True}}},
             "data_efficiency.data_routing.enabled",

@@ -53,7 +53,8 @@ def test_the_longest_row_covers_a_key() -> None:
     assert status_of("moe.ep_size").status == "available"  # type: ignore[union-attr]
     assert status_of("tensorboard.output_path").key == "tensorboard"  # type: ignore[union-attr]
     assert status_of("zero_optimization.reduce_bucket_size") is None
-    assert status_of("tensor_parallel.tp.tp_size").status == "planned"  # type: ignore[union-attr]
+    assert status_of("tensor_parallel.tp.tp_size").status == "available"  # type: ignore[union-attr]
+    assert status_of("tensor_parallel.keep_module_on_host").status == "ignored"  # type: ignore[union-attr]
     assert status_of("zero_optimization.offload_param.pin_memory") is None  # it runs
 
 
@@ -65,7 +66,6 @@ ASKS = [
         },
         ["fp16.fp16_master_weights_and_grads"],
     ),
-    ({"tensor_parallel": {"autotp_size": 2}}, ["tensor_parallel.autotp_size"]),
     ({"managed_gradient_accumulation": False}, ["managed_gradient_accumulation"]),
     ({"sparse_gradients": True}, ["sparse_gradients"]),
     (

@@ -10,6 +10,7 @@ grain. Planning is pure: it reads the model and returns data.
 
 from __future__ import annotations
 
+from deepshard.autotp._defer import defer_grad_allreduce
 from deepshard.autotp._describe import PLAN_ATTRIBUTE, describe_plan, plan_of
 from deepshard.autotp._full_state import load_full_state_dict, save_full_state_dict
 from deepshard.autotp._heuristic import ROW_LEAVES
@@ -43,6 +44,7 @@ __all__ = [
     "TPModelState",
     "TPPlan",
     "VocabParallelEmbedding",
+    "defer_grad_allreduce",
     "describe_plan",
     "grain_split",
     "hf_tp_plan",

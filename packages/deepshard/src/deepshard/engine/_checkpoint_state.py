@@ -68,12 +68,16 @@ def _zero_entries(
     zero: ZeroOptimizer, exclude_frozen: bool
 ) -> tuple[dict[str, ShardedTensor], dict[str, ShardedTensor], dict[str, str], set[str]]:
     """ZeRO's module and optimizer entries, their ZeRO keys, and every parameter it holds."""
+    # ranks of ZeRO's group; of the dp × tp grid (the world) when its maps span tp
+    entries = zero.state_shards()
     rank = zero.partition_group.rank()
+    if any("tp" in entry.shard_map.axes for entry in entries):
+        rank = torch.distributed.get_rank()
     module: dict[str, ShardedTensor] = {}
     optimizer: dict[str, ShardedTensor] = {}
     keys: dict[str, str] = {}
     names: set[str] = set()
-    for entry in zero.state_shards():
+    for entry in entries:
         names.add(entry.name)
         if entry.kind == "param" and not entry.frozen:
             continue  # the master is the weight; the model copy follows it on load

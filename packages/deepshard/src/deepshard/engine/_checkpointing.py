@@ -60,9 +60,13 @@ class EngineCheckpointing:
 
     @property
     def _ckpt_group(self) -> dist.ProcessGroup | None:
-        """The ranks a checkpoint is written by: ZeRO's group (the world, today)."""
+        """The ranks a checkpoint is written by: ZeRO's group, or the world under tensor
+        parallelism (ZeRO's maps then span dp × tp, `deepshard.zero._tp_maps`)."""
         if self.optimizer is not None:
             group = self.optimizer.partition_group
+            tp = self.parts.dims.topology.tp
+            if tp > 1 and group.size() * tp == self.parts.world.world_size:
+                return self.parts.dims.world.get_group()
             if group.size() != self.parts.world.world_size:
                 raise CheckpointError(
                     "engine checkpoints cover one data-parallel group spanning the world; this "

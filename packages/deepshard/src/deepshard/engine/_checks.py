@@ -12,6 +12,7 @@ settings are checked here in code.
 
 from __future__ import annotations
 
+from deepshard.engine._tensor_parallel import tp_config_problems
 from deepshard.engine.curriculum import curriculum_problems
 from deepshard.interface.config import DeepShardConfig
 from deepshard.interface.errors import ConfigError
@@ -67,6 +68,7 @@ def check_engine_config(config: DeepShardConfig) -> None:
     # ZeRO repeats the table's ZeRO rows (it refuses them when used on its own, too), in the
     # same words: list each problem once.
     problems = planned_problems(config) + _precision_problems(config) + zero
+    problems += tp_config_problems(config)
     problems = list(dict.fromkeys(problems + curriculum_problems(config)))
     if problems:
         raise ConfigError.from_problems(problems)

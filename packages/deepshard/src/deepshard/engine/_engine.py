@@ -53,6 +53,7 @@ from deepshard.engine._engine_states import EngineStates
 from deepshard.engine._precision import Precision
 from deepshard.engine._profiling import StepProfiling
 from deepshard.engine._reporting import ProgressReporter
+from deepshard.engine._tensor_parallel import TpInputCheck
 from deepshard.engine._unsupported import refused_attribute_message
 from deepshard.engine.loss_scaler import LossScaler
 from deepshard.interface import BatchSizes, DeepShardConfig
@@ -162,6 +163,7 @@ class DeepShardEngine(
         self._destroyed = False
         self.training_dataloader: Any = None  # `initialize` sets the loader it built
         self._pending_save = None  # a background checkpoint save (checkpoint.async_save)
+        self._tp_inputs = TpInputCheck(parts.dims, parts.device)
         self._declare_boundary()
 
     def __getattr__(self, name: str) -> Any:
@@ -190,6 +192,7 @@ class DeepShardEngine(
             saved_tensors,
         ):
             args, kwargs = precision.inputs(*self._curriculum_inputs(args, kwargs))
+            self._tp_inputs(args, kwargs)  # once: TP peers must get the same batch
             if self._compiled_forward is not None:
                 return self._compiled_forward(*args, **kwargs)
             return self.module(*args, **kwargs)

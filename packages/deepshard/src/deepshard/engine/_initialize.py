@@ -56,6 +56,7 @@ from deepshard.engine._precision import plan_precision
 from deepshard.engine._profiling import StepProfiling
 from deepshard.engine._reporting import ProgressReporter, TensorBytes, tensor_bytes
 from deepshard.engine._sequence_parallel import apply_sequence_parallel, shard_loader
+from deepshard.engine._tensor_parallel import apply_tensor_parallel, check_tp_layout
 from deepshard.engine._zero_wiring import parallel_dims, wrap_with_zero
 from deepshard.engine.loss_scaler import build_loss_scaler
 from deepshard.interface import BatchSizes, DeepShardConfig
@@ -251,22 +252,27 @@ def initialize(
     model, compiled = split_compiled(model, stage=parsed.zero_optimization.stage)
     world = join_world(dist_init_required if mesh is None else False, distributed_port)
     if mesh is None:
+        check_tp_layout(parsed, world_size=world.world_size)
         dims = ParallelDims.build(parsed.topology(world.world_size))
     else:
         dims = parallel_dims(mesh)
+        check_tp_layout(parsed, dims=dims)
     batch = engine_batch_sizes(parsed, dims.batch_world_size)
     announce(parsed, rank=dims.rank, environ=os.environ)
     device = _device(dims.mesh)
     precision = plan_precision(parsed, device.type)
     check_init_built(model, parsed, dims=dims, param_dtype=precision.param_dtype, device=device)
     apply_sequence_parallel(model, parsed, dims=dims)
+    placements = apply_tensor_parallel(model, parsed, dims=dims)
     precision.cast_model(model, device)
     comms = _comms_logger(parsed, dims.rank)
     params = default_parameters(model, parsed) if model_parameters is None else model_parameters
     base = select_optimizer(optimizer, params, parsed, module=model)
     zero = None
     if base is not None:
-        zero = wrap_with_zero(base, parsed, dims=dims, module=model, comms_logger=comms)
+        zero = wrap_with_zero(
+            base, parsed, dims=dims, module=model, comms_logger=comms, placements=placements
+        )
     schedule = select_scheduler(lr_scheduler, zero, parsed)
     parts = EngineParts(
         config=parsed,

@@ -67,6 +67,7 @@ def wrap_with_zero(
     dims: ParallelDims,
     module: torch.nn.Module,
     comms_logger: CommsLogger | None,
+    placements: PlacementRegistry | None = None,
 ) -> ZeroOptimizer:
     """Wraps ``optimizer`` with the ZeRO stage (0-3) the config selects.
 
@@ -76,6 +77,8 @@ def wrap_with_zero(
         dims: The training mesh and its groups (ZeRO gets ``dims.dense_dp``).
         module: The model (already cast): its parameter names and shapes make the placements.
         comms_logger: Records every collective ZeRO issues.
+        placements: Every parameter's placement (a tensor-parallel model's, from AutoTP);
+            ``None``: a plain model, every parameter whole on every rank.
 
     Returns:
         The wrapper.
@@ -84,7 +87,8 @@ def wrap_with_zero(
         ConfigError: As `deepshard.zero.build_zero_optimizer` does (offload,
             ``compute_grad_norm: false`` with clipping, an untested optimizer...).
     """
-    placements = PlacementRegistry.replicated(module.named_parameters(), dims.topology)
+    if placements is None:
+        placements = PlacementRegistry.replicated(module.named_parameters(), dims.topology)
     muon = isinstance(optimizer, Muon)
     problems = optimizer_side_problems(optimizer, config, transformed=muon)
     if problems:  # before shard() re-points the model's parameters

@@ -14,6 +14,10 @@ ranks of every mesh axis share it:
 
 It also names the axes its gradient is reduced over (``reduce_over``): ``dp × ep × sp`` for a
 dense parameter, ``dp`` for an expert (`Topology.dense_dp_axes`, `Topology.expert_dp_axes`).
+A parameter replicated along an axis whose ranks each compute only part of its gradient (a
+norm weight applied to every local attention head under tensor parallelism, Hugging Face's
+``replicated_with_grad_allreduce``) names that axis in ``sum_over``: its gradient is *summed*
+there, while ``reduce_over`` *averages* (the two commute, so the owner may do either first).
 
 Placements live in a `PlacementRegistry` keyed by the parameter's fully qualified name, never
 on the parameter itself: the packages that parallelise a model (AutoTP, AutoEP) write them,
@@ -110,6 +114,10 @@ class ParamPlacement:
     axes: tuple[str, ...] = field(default=Topology.AXES)
     """The mesh axes `placements` refers to, outermost first."""
 
+    sum_over: tuple[str, ...] = ()
+    """Axes (replicated, outside `reduce_over`) whose ranks each hold a partial sum of the
+    gradient, which is summed over them (``("tp",)`` for Qwen3's ``q_norm``/``k_norm``)."""
+
     def __post_init__(self) -> None:
         if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.global_shape):
             raise TopologyError(f"global_shape must be non-negative ints, got {self.global_shape}")
@@ -147,11 +155,25 @@ class ParamPlacement:
                 "a reduction axis hold replicas: use Replicate() or FlatShard() there, or take "
                 "the axis out of reduce_over"
             )
+        self._check_sum_over()
         loose = [a for a in self.flat_shard_axes if a not in self.reduce_over]
         if loose:
             raise TopologyError(
                 f"FlatShard() on {loose}, which are not in reduce_over {self.reduce_over}: a "
                 "flat partition is cut over the ranks that would otherwise hold replicas"
+            )
+
+    def _check_sum_over(self) -> None:
+        bad = [
+            a
+            for a in self.sum_over
+            if a not in self.axes or a in self.reduce_over or self.placement(a) != Replicate()
+        ]
+        if bad or len(set(self.sum_over)) != len(self.sum_over):
+            raise TopologyError(
+                f"sum_over {self.sum_over}: {bad or 'repeated axes'} must be distinct axes of "
+                f"{self.axes} outside reduce_over {self.reduce_over} that replicate the "
+                "parameter (partial gradients are summed over replicas)"
             )
 
     @classmethod
@@ -242,13 +264,16 @@ class ParamPlacement:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (what checkpoints store)."""
-        return {
+        data: dict[str, Any] = {
             "global_shape": list(self.global_shape),
             "dtype": self.dtype,
             "axes": list(self.axes),
             "placements": [_axis_to_json(p) for p in self.placements],
             "reduce_over": list(self.reduce_over),
         }
+        if self.sum_over:  # absent means none: older readers and files stay as they were
+            data["sum_over"] = list(self.sum_over)
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ParamPlacement:
@@ -260,6 +285,7 @@ class ParamPlacement:
                 axes=tuple(str(a) for a in data["axes"]),
                 placements=tuple(_axis_from_json(p) for p in data["placements"]),
                 reduce_over=tuple(str(a) for a in data["reduce_over"]),
+                sum_over=tuple(str(a) for a in data.get("sum_over", ())),
             )
         except (KeyError, TypeError, ValueError, TopologyError) as exc:
             raise CheckpointError(f"malformed parameter placement {dict(data)!r}: {exc}") from exc

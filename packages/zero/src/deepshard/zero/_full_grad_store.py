@@ -23,7 +23,14 @@ from dataclasses import replace
 
 import torch
 
-from deepshard.zero._gradients import BucketKey, GradientStore, StoreSettings, _fp32
+from deepshard.zero._gradients import (
+    AccumulatedGradients,
+    BucketKey,
+    GradientStore,
+    PartitionedGradients,
+    StoreSettings,
+    _fp32,
+)
 from deepshard.zero._scheduler import Finish
 from deepshard.zero.layout import FlatLayout, ParamSlot
 
@@ -223,3 +230,35 @@ class SplitGradients:
     def nbytes(self) -> int:
         """Bytes of gradient storage this rank holds right now."""
         return sum(store.nbytes() for store in self._stores)
+
+
+def split_store(
+    settings: StoreSettings,
+    full: FullGroupGradients | None,
+    full_flags: Sequence[bool],
+    layouts: Sequence[FlatLayout],
+    dtypes: Sequence[torch.dtype],
+    *,
+    stage: int,
+    overlap: bool,
+) -> SplitGradients:
+    """The ordinary groups' store behind a router that also reaches the full groups'.
+
+    Args:
+        settings: The optimizer's store settings (every group).
+        full: The full groups' store, if any.
+        full_flags: Per group, whether it is a full group.
+        layouts: Every group's layout.
+        dtypes: Every group's buffer dtype.
+        stage: The ZeRO stage: 2 keeps only gradient partitions, 0-1 accumulate whole.
+        overlap: ``overlap_comm`` (stage 2).
+    """
+    ordinary = [g for g, flag in enumerate(full_flags) if not flag]
+    own = local_settings(settings, ordinary)
+    mine = [layouts[g] for g in ordinary], [dtypes[g] for g in ordinary]
+    store: GradientStore
+    if stage == 2:
+        store = PartitionedGradients(*mine, own, overlap=overlap)
+    else:
+        store = AccumulatedGradients(*mine, own, partitioned=stage == 1)
+    return SplitGradients(store, full, full_flags)

@@ -36,6 +36,7 @@ from deepshard.zero._flat_params import FlatParams, common_dtype_and_device
 from deepshard.zero._placements import registration_positions
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._settings import message_numel
+from deepshard.zero._tp import tp_group_for
 from deepshard.zero._units import plan_units
 from deepshard.zero.layout import FlatLayout, plan_flat_layout
 
@@ -85,6 +86,8 @@ class ResidentModule:
         param_positions: Each unit's parameters' registration positions (the order buckets
             are reduced in), or ``None`` when not every parameter is named.
         device: Where the parameters live.
+        tp_group: The tensor-parallel group when the placements shard over ``tp`` (the step
+            combines the norm over it, `deepshard.zero._tp`); ``None`` otherwise.
     """
 
     module: torch.nn.Module | None
@@ -95,6 +98,7 @@ class ResidentModule:
     placements: PlacementRegistry | None
     param_positions: tuple[tuple[int, ...], ...] | None
     device: torch.device
+    tp_group: torch.distributed.ProcessGroup | None = None
 
     @property
     def partition_count(self) -> int:
@@ -128,6 +132,7 @@ def build_resident(
     policy: ZeroPolicy,
     placements: PlacementRegistry | None,
     comms_logger: CommsLogger | None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
 ) -> ResidentModule:
     """`deepshard.zero.shard` at stages 0-2: plan the units, move each into its buffer.
 
@@ -162,7 +167,9 @@ def build_resident(
     )
     named = list(module.named_parameters())
     positions = registration_positions([u.params for u in units], named)
-    return ResidentModule(module, units, group, policy, comms_logger, placements, positions, device)
+    return ResidentModule(
+        module, units, group, policy, comms_logger, placements, positions, device, tp_group
+    )
 
 
 def resident_from_param_groups(
@@ -189,6 +196,7 @@ def resident_from_param_groups(
             parameters, or groups on different devices.
     """
     _check_unique(param_groups)
+    tp_group_for(placements, None)  # tensor parallelism needs shard(parallel_dims=): refused
     named = list(named_parameters)
     names = {id(param): name for name, param in named}
     world = group.size() if policy.stage >= 1 else 1

@@ -29,6 +29,7 @@ from deepshard.zero._resident import ResidentModule, build_resident
 from deepshard.zero._rgroups import axes_of, reduction_groups
 from deepshard.zero._shard_info import ShardInfo, build_shard_infos
 from deepshard.zero._sharded import ShardedModule, UnitHook
+from deepshard.zero._tp import tp_group_for
 from deepshard.zero._unit_state import UnitState
 from deepshard.zero._units import plan_units
 
@@ -99,9 +100,12 @@ def shard(
             f"({sorted(groups)} besides the dense one); only stage 3 lays a unit out per group "
             "so far: use ZeroPolicy(stage=3), or wrap each kind in its own ZeroOptimizer"
         )
+    tp_group = tp_group_for(placements, parallel_dims)
     if policy.stage < 3:
-        return build_resident(module, pg, policy, placements, comms_logger)
-    return build_sharded(module, pg, policy, placements, comms_logger, groups=groups)
+        return build_resident(module, pg, policy, placements, comms_logger, tp_group)
+    return build_sharded(
+        module, pg, policy, placements, comms_logger, groups=groups, tp_group=tp_group
+    )
 
 
 class ParamSource(Protocol):
@@ -125,13 +129,15 @@ def build_sharded(
     *,
     source: ParamSource | None = None,
     groups: Mapping[tuple[str, ...], torch.distributed.ProcessGroup] | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
 ) -> ShardedModule:
     """`shard` after its checks: plan the units, then build and release them one at a time.
 
     With ``source``, parameters already partitioned elsewhere are made whole one unit at a
     time, just before their unit keeps its chunk (so at most one unit is whole at once).
     ``groups`` (reduction axes → process group, `reduction_groups`) gives each parameter whose
-    placement names one of them a unit plan of its own over that group.
+    placement names one of them a unit plan of its own over that group; ``tp_group`` is the
+    tensor-parallel group the step combines the norm over (`deepshard.zero._tp`).
     """
     shapes = source.full_shapes() if source is not None else None
     groups = dict(groups or {})
@@ -161,7 +167,7 @@ def build_sharded(
         state = UnitState(plan, unit_groups[plan.index], comms_logger, home)
         state.release()
         states.append(state)
-    return ShardedModule(module, plans, states, infos, pg, policy, comms_logger)
+    return ShardedModule(module, plans, states, infos, pg, policy, comms_logger, tp_group=tp_group)
 
 
 def register_external_parameter(module: torch.nn.Module, param: torch.Tensor) -> None:

@@ -88,6 +88,7 @@ class ShardedModule:
         group: The data-parallel group (a ProcessGroup).
         policy: The knobs.
         logger: Records the collectives.
+        tp_group: The tensor-parallel group when the placements shard over ``tp``.
     """
 
     def __init__(
@@ -99,9 +100,13 @@ class ShardedModule:
         group: torch.distributed.ProcessGroup,
         policy: ZeroPolicy,
         logger: CommsLogger | None,
+        *,
+        tp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         self.module, self.plans, self.units = module, plans, states
         self.group, self.policy, self._infos = group, policy, infos
+        self.tp_group = tp_group
+        """The tensor-parallel group the step combines the norm over; ``None`` without it."""
         self._logger = logger
         self._externals = [set(p.external) for p in plans]
         self.gather_waits = GatherWaits()

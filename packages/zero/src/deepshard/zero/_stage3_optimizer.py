@@ -59,6 +59,7 @@ from deepshard.zero._stage3_offload import build_stage3_offload, follow_partitio
 from deepshard.zero._stage3_owner import Stage3PartitionAccess
 from deepshard.zero._stage3_states import Stage3States
 from deepshard.zero._step import NormSettings, StepResult, checked_norm
+from deepshard.zero._tp import sharded_tp_grads, tp_problems
 from deepshard.zero.layout import FlatLayout
 from deepshard.zero.norms import check_norm_type, scale_factor
 from deepshard.zero.optimizer import ZeroOptimizer
@@ -122,6 +123,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         )
         if sharded.mixed_groups:
             problems += mixed_group_problems(self.config, transformed=transformed)
+        problems += tp_problems(sharded, transformed=transformed)
         if problems:
             raise ConfigError.from_problems(problems)
         if group is not None and resolve_group(group) is not sharded.group:
@@ -157,6 +159,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
             else self._map_param_groups(master_view_numel(optimizer, transformed=transformed))
         )
         self._sub_groups = self._cut_sub_groups(self.config.sub_group_size)
+        self._tp = sharded_tp_grads(sharded)
         self._boundary_flag = True
         self._run_boundary: bool | None = None
         self._no_sync_depth, self._pass_boundary, self._ready = 0, False, False
@@ -255,7 +258,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         device = self._device
         group = self._group if self._partitions > 1 else None
         settings = NormSettings(
-            self.config.compute_grad_norm, self.norm_type, group, device, self._logger
+            self.config.compute_grad_norm, self.norm_type, group, device, self._logger, self._tp
         )
         transform = None
         if self._transforms.active:

@@ -41,6 +41,7 @@ from deepshard.interface.errors import CheckpointError
 from deepshard.zero._state_entry import StateShard, Writer, joined, rebased, splitter
 from deepshard.zero._state_extra import materialize_buffers, momentum_entries, scalar_entries
 from deepshard.zero._state_regions import ParamPlace, Region, Regions, flat_regions, stage3_regions
+from deepshard.zero._tp_maps import widened_entries
 
 if TYPE_CHECKING:
     from deepshard.zero._stage3_optimizer import Stage3Optimizer
@@ -130,11 +131,20 @@ class StateShardAccess:
     def state_shards(self) -> tuple[StateShard, ...]:
         """Every parameter, master and optimizer-state tensor of this rank (see the module).
 
+        Under tensor parallelism the maps span the data-parallel axes and ``tp`` (ranks are
+        indices in that grid: global ranks when ``pp`` is 1), so one checkpoint holds every
+        TP slice.
+
         Raises:
             CommError: States are offloaded (``reload_states()`` first).
         """
         self.check_resident("state_shards()")
-        return tuple(entry for entry, _ in self._entries(self._regions()))
+        regions = self._regions()
+        entries = tuple(entry for entry, _ in self._entries(regions))
+        if getattr(self, "_tp", None) is None:
+            return entries
+        # tensor parallelism: one map over every TP slice (deepshard.zero._tp_maps)
+        return widened_entries(entries, {p.shard.name: p.shard.placement for p in regions.params})
 
     def load_state_shards(self, values: Mapping[str, torch.Tensor]) -> None:
         """Copy loaded local tensors (by `StateShard.key`) into the optimizer; refresh the model.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from deepshard.comm import CommsLogger, Group
+from deepshard.zero._tp import TensorParallelGrads
 from deepshard.zero.norms import global_grad_norm, grad_overflow
 
 __all__ = ["NormSettings", "StepResult", "checked_norm", "norm_and_overflow", "step_inner"]
@@ -47,6 +48,8 @@ class NormSettings:
         group: The group to all-reduce over; ``None`` when every rank holds everything.
         device: Where the collective runs when this rank holds no gradient.
         logger: Records the collectives.
+        tp: Under tensor parallelism, which gradients are replicated over ``tp`` or partial
+            sums there (`deepshard.zero._tp`); ``None`` without it.
     """
 
     compute: bool
@@ -54,6 +57,14 @@ class NormSettings:
     group: Group | None
     device: torch.device
     logger: CommsLogger | None
+    tp: TensorParallelGrads | None = None
+
+    def overflow(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Whether any rank (of the group and of ``tp``) holds a non-finite gradient."""
+        tp_group = None if self.tp is None else self.tp.group
+        return grad_overflow(
+            grads, group=self.group, device=self.device, logger=self.logger, tp_group=tp_group
+        )
 
 
 def norm_and_overflow(
@@ -61,12 +72,22 @@ def norm_and_overflow(
 ) -> tuple[float | None, bool]:
     """The unscaled global norm (or ``None``) and the overflow flag, in one collective."""
     s = settings
-    if s.compute:
-        result = global_grad_norm(
-            grads, norm_type=s.norm_type, group=s.group, device=s.device, logger=s.logger
-        )
-        return result.norm / loss_scale, result.overflow
-    return None, grad_overflow(grads, group=s.group, device=s.device, logger=s.logger)
+    if not s.compute:
+        return None, s.overflow(grads)
+    sliced: Sequence[torch.Tensor] = grads
+    replicated: Sequence[torch.Tensor] = ()
+    if s.tp is not None:  # tensor-parallel slices and replicas are counted apart
+        sliced, replicated = s.tp.split(grads)
+    result = global_grad_norm(
+        sliced,
+        norm_type=s.norm_type,
+        group=s.group,
+        device=s.device,
+        logger=s.logger,
+        replicated=replicated,
+        tp_group=None if s.tp is None else s.tp.group,
+    )
+    return result.norm / loss_scale, result.overflow
 
 
 def checked_norm(
@@ -79,12 +100,15 @@ def checked_norm(
 
     Returns:
         As `norm_and_overflow` (which it is without a transform); with one, on overflow the norm
-        is ``inf`` (``None`` without a norm) and ``transform`` did not run.
+        is ``inf`` (``None`` without a norm) and ``transform`` did not run. Under tensor
+        parallelism the partial gradients are summed over ``tp`` first.
     """
+    s = settings
+    if s.tp is not None:
+        s.tp.sum_partials(grads, s.logger)
     if transform is None:
         return norm_and_overflow(grads, loss_scale, settings)
-    s = settings
-    if grad_overflow(grads, group=s.group, device=s.device, logger=s.logger):
+    if s.overflow(grads):
         return (math.inf if s.compute else None), True
     transform()
     if not s.compute:

@@ -24,6 +24,13 @@ no temporary grows with the model.
 
 When every rank already holds the same, fully reduced gradients (stage 0), no collective is
 needed: pass ``group=None``.
+
+**Tensor parallelism.** Ranks of one tensor-parallel group hold different slices of the
+sharded parameters but the same values of the replicated ones (a LayerNorm, a row-parallel
+bias, a ``q_norm`` once its partial gradients are summed). The vector's norm counts each
+element once: the sharded part's ``Σ|g|^p`` is summed over ``tp_group`` too, the replicated
+part (``replicated``) is not. Both parts travel in the data-parallel all-reduce, then only the
+sharded part and the flag in a second, tiny one over ``tp_group``.
 """
 
 from __future__ import annotations
@@ -151,27 +158,45 @@ def global_grad_norm(
     group: Group | None,
     device: torch.device | None = None,
     logger: CommsLogger | None = None,
+    replicated: Sequence[torch.Tensor] = (),
+    tp_group: Group | None = None,
 ) -> GradNorm:
     """The norm of all ranks' ``tensors`` taken as one vector, and whether any is non-finite.
 
     Args:
-        tensors: This rank's gradients (any float dtype; padding must be zero).
+        tensors: This rank's gradients (any float dtype; padding must be zero); with
+            ``tp_group``, those whose elements differ across it (tensor-parallel slices).
         norm_type: ``p`` of the ``p``-norm, or ``math.inf``.
         group: The ranks whose tensors together form the vector; ``None`` when this rank's
             tensors are already the whole vector (no collective).
         device: Where the collective runs when this rank holds no tensor; the tensors'
             device otherwise.
-        logger: Records the one all-reduce.
+        logger: Records the all-reduces.
+        replicated: Gradients every rank of ``tp_group`` holds alike, counted once.
+        tp_group: The tensor-parallel group ``tensors`` are sliced over; ``None``: no tensor
+            parallelism (``replicated`` then simply joins ``tensors``).
 
     Returns:
         The norm and the overflow flag, equal on every rank.
     """
     p = check_norm_type(norm_type)
-    stats = _local_stats(tensors, p, _device(tensors, device))
-    if group is not None:
-        op: Literal["max", "sum"] = "max" if math.isinf(p) else "sum"
-        all_reduce(stats, group=group, op=op, logger=logger, log_name="zero_grad_norm")
-    value, flag = stats.tolist()
+    op: Literal["max", "sum"] = "max" if math.isinf(p) else "sum"
+    where = _device([*tensors, *replicated], device)
+    if tp_group is None:
+        stats = _local_stats([*tensors, *replicated], p, where)
+        if group is not None:
+            all_reduce(stats, group=group, op=op, logger=logger, log_name="zero_grad_norm")
+        value, flag = stats.tolist()
+    else:
+        stats = torch.cat([_local_stats(tensors, p, where), _local_stats(replicated, p, where)])
+        if group is not None:
+            all_reduce(stats, group=group, op=op, logger=logger, log_name="zero_grad_norm")
+        sliced = stats[:2].clone()
+        all_reduce(sliced, group=tp_group, op=op, logger=logger, log_name="zero_grad_norm_tp")
+        sharded, flag = sliced.tolist()
+        once, once_flag = stats[2:].tolist()
+        value = max(sharded, once) if math.isinf(p) else sharded + once
+        flag = max(flag, once_flag)
     norm = value if math.isinf(p) else value ** (1.0 / p)
     return GradNorm(norm=norm, overflow=flag > 0 or not math.isfinite(norm))
 
@@ -188,6 +213,7 @@ def grad_overflow(
     group: Group | None,
     device: torch.device | None = None,
     logger: CommsLogger | None = None,
+    tp_group: Group | None = None,
 ) -> bool:
     """Whether any rank holds a non-finite value, without computing a norm (one tiny collective).
 
@@ -196,6 +222,7 @@ def grad_overflow(
         group: As for `global_grad_norm`.
         device: As for `global_grad_norm`.
         logger: Records the all-reduce.
+        tp_group: The tensor-parallel group, whose ranks must skip a step together.
     """
     flag = torch.zeros(1, dtype=torch.float32, device=_device(tensors, device))
     for tensor in tensors:
@@ -204,6 +231,8 @@ def grad_overflow(
     flag.clamp_(max=1.0)
     if group is not None:
         all_reduce(flag, group=group, op="max", logger=logger, log_name="zero_grad_overflow")
+    if tp_group is not None:
+        all_reduce(flag, group=tp_group, op="max", logger=logger, log_name="zero_grad_overflow")
     return bool(flag.item() > 0)
 
 

@@ -49,14 +49,9 @@ from deepshard.interface import PlacementRegistry
 from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._full_grad_path import FullGroupsPath, StoreChoice
-from deepshard.zero._full_grad_store import SplitGradients, local_settings
+from deepshard.zero._full_grad_store import split_store
 from deepshard.zero._full_grads import FullGradTransform
-from deepshard.zero._gradients import (
-    AccumulatedGradients,
-    GradientStore,
-    PartitionedGradients,
-    StoreSettings,
-)
+from deepshard.zero._gradients import StoreSettings
 from deepshard.zero._master_views import plan_master_views
 from deepshard.zero._offload import build_offload, offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
@@ -78,6 +73,7 @@ from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
 from deepshard.zero._state_shards import StateShardAccess
 from deepshard.zero._states import StateOffload
 from deepshard.zero._step import NormSettings, StepResult, checked_norm, step_inner
+from deepshard.zero._tp import resident_tp_grads, tp_problems
 from deepshard.zero.layout import plan_gather_calls
 from deepshard.zero.norms import check_norm_type, scale_factor
 from deepshard.zero.reduction import GradientReduction
@@ -186,6 +182,7 @@ class ZeroOptimizer(
         given |= {"grad_accum_dtype": grad_accum_dtype}
         given |= {"placements": placements, "comms_logger": comms_logger}
         problems += model_side_problems(self.config, sharded, given)
+        problems += tp_problems(sharded, transformed=transformed)
         if problems:
             raise ConfigError.from_problems(problems)
         if sharded is None:  # the params-only form; resolve_group refuses a missing group
@@ -225,6 +222,7 @@ class ZeroOptimizer(
         ]
         where = resolve_placements(self._group, self._params, resident.names, resident.placements)
         self._shards = param_shards(self.layouts, resident.names, where)
+        self._tp = resident_tp_grads(resident, self._shards)
         self._settings = StoreSettings(
             self._device,
             self._group,
@@ -268,28 +266,21 @@ class ZeroOptimizer(
         )
         if self._offload is not None:  # host masters: the device keeps a compute-dtype copy
             self._masters, self._full.views = self._offload.device_partitions, self._offload.views
-        self._store = self._build_store(self._settings)
+        self._store = split_store(
+            self._settings,
+            self._full.store,
+            self._full.flags,
+            self.layouts,
+            dtypes,
+            stage=self.config.stage,
+            overlap=self._policy.overlap_comm,
+        )
         self._passes = BackwardPasses(
             self._store, ignore_unused_parameters=self._policy.ignore_unused_parameters
         )
         self._hooks = self._passes.attach(self._params, self.layouts)
         self._offloaded = {}  # the `offload_states` bookkeeping (deepshard.zero._states)
         self._passes.guard = self.check_resident
-
-    def _build_store(self, settings: StoreSettings) -> SplitGradients:
-        """The ordinary groups' store behind a router that also reaches the full groups'."""
-        ordinary = [g for g, flag in enumerate(self._full.flags) if not flag]
-        layouts = [self.layouts[g] for g in ordinary]
-        dtypes = [self._flat[g].buffer.dtype for g in ordinary]
-        own = local_settings(settings, ordinary)
-        store: GradientStore
-        if self.config.stage == 2:
-            overlap = self._policy.overlap_comm
-            store = PartitionedGradients(layouts, dtypes, own, overlap=overlap)
-        else:
-            partitioned = self.config.stage == 1
-            store = AccumulatedGradients(layouts, dtypes, own, partitioned=partitioned)
-        return SplitGradients(store, self._full.store, self._full.flags)
 
     # --- backward passes ----------------------------------------------------------------
 
@@ -373,9 +364,8 @@ class ZeroOptimizer(
         """Check, clip and step the masters with this rank's gradients; ``(norm, overflow)``."""
         grads = self._store.partition_grads()
         group = self._group if self._partitions > 1 else None
-        norm_settings = NormSettings(
-            self.config.compute_grad_norm, self.norm_type, group, self._device, self._logger
-        )
+        settings = (self.config.compute_grad_norm, self.norm_type, group, self._device)
+        norm_settings = NormSettings(*settings, self._logger, self._tp)
         transform = None
         if self._full.active:
             args = (grads, loss_scale, self.inner.param_groups)

@@ -24,6 +24,21 @@ class TpSizeConfig(ConfigModel):
     tp_grain_size: int = Field(1, ge=1)
     """Granularity (elements) that MLP / lm_head shards are rounded to."""
 
+    tp_group: None = None
+    """Refused when set: DeepShard builds the tensor-parallel groups from the mesh (adjacent
+    ranks); DeepSpeed's explicit group object has no DeepShard equivalent."""
+
+    @field_validator("tp_group", mode="before")
+    @classmethod
+    def _refuse_group(cls, value: object) -> None:
+        if value is not None:
+            raise ValueError(
+                "DeepShard builds the tensor-parallel groups from the mesh (adjacent ranks); "
+                "remove tp_group and set tensor_parallel.autotp_size, or pass "
+                "initialize(mesh=deepshard.comm.build_mesh(Topology(tp=...)))"
+            )
+        return None
+
 
 class TpLayerSpecConfig(ConfigModel):
     """One rule of a custom AutoTP partition: which weights, split how."""
@@ -162,5 +177,5 @@ class TensorParallelConfig(ConfigModel):
 
     @property
     def size(self) -> int:
-        """The tensor-parallel degree for training (``autotp_size``, at least 1)."""
-        return max(self.autotp_size, 1)
+        """The tensor-parallel degree: ``autotp_size`` when above 1, else ``tp.tp_size``."""
+        return self.autotp_size if self.autotp_size > 1 else self.tp.tp_size

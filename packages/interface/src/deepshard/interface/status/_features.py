@@ -56,22 +56,6 @@ _PLANNED = (
         "bf16.bf16_optimizer_states", "planned", "16-bit optimizer states", _ZERO, When("true")
     ),
     FeatureStatus(
-        "tensor_parallel.autotp_size",
-        "planned",
-        "AutoTP tensor parallelism",
-        "deepshard-autotp",
-        When("above", 1),
-        fix="set it to 1 or remove it",
-    ),
-    FeatureStatus(
-        "tensor_parallel.tp.tp_size",
-        "planned",
-        "AutoTP tensor parallelism",
-        "deepshard-autotp",
-        When("above", 1),
-        fix="set it to 1 or remove it",
-    ),
-    FeatureStatus(
         "managed_gradient_accumulation",
         "planned",
         "caller-marked accumulation boundaries (ZeRO reduces during the boundary's backward "
@@ -143,7 +127,19 @@ _IGNORED = (
         )
     ),
     FeatureStatus(
-        "tensor_parallel", "ignored", "AutoTP settings (AutoTP is planned)", "deepshard-autotp"
+        "tensor_parallel", "ignored", "an AutoTP setting AutoTP does not read", "deepshard-autotp"
+    ),
+    *(
+        FeatureStatus(f"tensor_parallel.{key}", "available", what, "deepshard-autotp")
+        for key, what in (
+            ("autotp_size", "AutoTP tensor parallelism"),
+            ("tp.tp_size", "AutoTP tensor parallelism"),
+            ("tp.tp_grain_size", "AutoTP shard-size grain"),
+            ("tp_overlap_comm", "AutoTP communication overlap"),
+            ("dtype", "AutoTP dtype (checked against the engine's precision)"),
+            ("partition_config", "AutoTP partition specs"),
+            ("preset_model", "AutoTP presets"),
+        )
     ),
     FeatureStatus(
         "moe",

@@ -1,0 +1,89 @@
+"""Shard maps of a tensor-parallel model's ZeRO state over the whole data-parallel × ``tp`` grid.
+
+ZeRO's own maps (`deepshard.zero._shards`) cover one data-parallel group: the ranks that share
+this rank's ``tp`` coordinate, each piece the holder's box of the global tensor (its TP slice)
+and a flat range of that box (its ZeRO partition). A checkpoint of the whole model needs every
+TP slice in one map. The ranks of one tensor-parallel group lay their units out identically
+(equal local shapes), so the pieces held at ``tp`` coordinate ``t`` are this group's pieces with
+``t`` put in their coordinates and the box recomputed from the placement
+(`ParamPlacement.local_box`); a replicated parameter simply gets equal boxes at every ``t``
+(replicas of the same bytes). The widened map spans the reduction axes plus ``tp``, so its
+rank is the holder's index in that grid, row-major in mesh order: with ``pp = 1`` its global
+rank. No communication is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from deepshard.interface import ParamPlacement, ShardMap, Topology
+from deepshard.interface.errors import CheckpointError
+from deepshard.zero._state_entry import StateShard
+
+__all__ = ["widen_over_tp", "widened_entries"]
+
+
+def widen_over_tp(
+    shard_map: ShardMap, placement: ParamPlacement | None, topology: Topology
+) -> ShardMap:
+    """``shard_map`` (over a data-parallel group) extended to every ``tp`` coordinate.
+
+    Args:
+        shard_map: A map naming the mesh (pieces carry coordinates), over axes without ``tp``.
+        placement: The tensor's placement (its TP split); ``None`` for a tensor with the same
+            box everywhere (a scalar).
+        topology: The mesh's axis sizes.
+
+    Raises:
+        CheckpointError: The map names no mesh, or already spans ``tp``.
+    """
+    names = topology.axis_names
+    if shard_map.mesh_axes != names or "tp" in shard_map.axes:
+        raise CheckpointError(
+            f"cannot widen a shard map over axes {shard_map.axes} on mesh {shard_map.mesh_axes} "
+            f"to tp: it must name the mesh {names} and leave tp out"
+        )
+    axes = tuple(a for a in names if a in shard_map.axes or a == "tp")
+    sizes = dict(zip(names, topology.shape, strict=True))
+    at = names.index("tp")
+    pieces = []
+    for t in range(topology.tp):
+        for piece in shard_map.pieces:
+            coords = (*piece.coords[:at], t, *piece.coords[at + 1 :])
+            named = dict(zip(names, coords, strict=True))
+            rank = 0
+            for axis in axes:
+                rank = rank * sizes[axis] + named[axis]
+            offset, box = (
+                (piece.box_offset, piece.box_shape)
+                if placement is None
+                else placement.local_box(topology, named)
+            )
+            pieces.append(
+                replace(piece, rank=rank, box_offset=offset, box_shape=box, coords=coords)
+            )
+    return replace(shard_map, pieces=tuple(pieces), axes=axes)
+
+
+def widened_entries(
+    entries: Sequence[StateShard], placements: Mapping[str, ParamPlacement]
+) -> tuple[StateShard, ...]:
+    """Every entry with its map widened over ``tp`` (`widen_over_tp`); scalars keep their box.
+
+    Args:
+        entries: `ZeroOptimizer.state_shards`'s entries over the data-parallel group (their
+            maps name the mesh).
+        placements: The masters' placement of every parameter, by name.
+    """
+    if not entries:
+        return ()
+    smap = entries[0].shard_map
+    topology = Topology(**dict(zip(smap.mesh_axes, smap.mesh_shape, strict=True)))
+    return tuple(
+        replace(
+            entry,
+            shard_map=widen_over_tp(entry.shard_map, placements.get(entry.name), topology),
+        )
+        for entry in entries
+    )

@@ -71,7 +71,7 @@ from deepshard.zero._resident import (
     resident_from_param_groups,
     sharded_section,
 )
-from deepshard.zero._settings import zero_problems
+from deepshard.zero._settings import uses_reduce_scatter, zero_problems
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
@@ -229,7 +229,7 @@ class ZeroOptimizer(
             self._device,
             self._group,
             self._policy.reduction,
-            use_reduce_scatter=self.config.reduce_scatter,
+            use_reduce_scatter=uses_reduce_scatter(self.config.reduce_scatter, self._device),
             accum_dtype=self._policy.grad_accum_dtype,
             logger=self._logger,
             param_positions=resident.param_positions,

@@ -93,14 +93,8 @@ def shard(
     if policy.param_dtype is not None:
         module.to(policy.param_dtype)
     groups = reduction_groups(module, pg, parallel_dims, placements)
-    if groups and policy.stage < 3:
-        raise ConfigError(
-            f"ZeroPolicy(stage={policy.stage}): the placements name several reduction groups "
-            f"({sorted(groups)} besides the dense one); only stage 3 lays a unit out per group "
-            "so far: use ZeroPolicy(stage=3), or wrap each kind in its own ZeroOptimizer"
-        )
     if policy.stage < 3:
-        return build_resident(module, pg, policy, placements, comms_logger)
+        return build_resident(module, pg, policy, placements, comms_logger, groups=groups)
     return build_sharded(module, pg, policy, placements, comms_logger, groups=groups)
 
 

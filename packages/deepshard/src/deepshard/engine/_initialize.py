@@ -58,7 +58,7 @@ from deepshard.engine._reporting import ProgressReporter, TensorBytes, tensor_by
 from deepshard.engine._sequence_parallel import apply_sequence_parallel, shard_loader
 from deepshard.engine._zero_wiring import parallel_dims, wrap_with_zero
 from deepshard.engine.loss_scaler import build_loss_scaler
-from deepshard.interface import BatchSizes, DeepShardConfig
+from deepshard.interface import BatchSizes, DeepShardConfig, PlacementRegistry
 from deepshard.interface.config import CommsLoggerConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.interface.watchdog import resolve_watchdog_s
@@ -194,6 +194,7 @@ def initialize(
     distributed_port: int | None = None,
     mpu: Any = None,
     mesh_param: Any = None,
+    placements: PlacementRegistry | None = None,
 ) -> InitializeResult:
     """Builds the training engine, optimizer, data loader and LR schedule for ``model``.
 
@@ -231,6 +232,11 @@ def initialize(
         mpu: Refused: DeepShard builds its process groups from the config's layout
             (``tensor_parallel.autotp_size``, ``sequence_parallel_size``, ``moe``).
         mesh_param: Refused likewise (set ``sequence_parallel_size``).
+        placements: The model's `deepshard.interface.PlacementRegistry` (from AutoTP/AutoEP
+            or by hand: expert parameters reduced over ``dp``), passed to
+            ``deepshard.zero.shard`` at every stage; ``None``: every parameter whole on every
+            rank. It must be keyed by the model's parameter names and built for the mesh's
+            topology.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``.
@@ -239,7 +245,7 @@ def initialize(
         ConfigError: No model; no config, two of them, or a config file that does not exist;
             an ``mpu``; the config is invalid or asks for something the engine does not run; the
             batch sizes disagree with the world; the optimizer, schedule or ZeRO settings are
-            refused. Each problem names its key.
+            refused; ``placements`` does not fit the model or mesh. Each problem names its key.
         TopologyError: The world does not fit the config's parallel degrees or the mesh.
         CommError: ``dist_init_required=False`` without a process group, or the rendezvous
             failed.
@@ -266,7 +272,9 @@ def initialize(
     base = select_optimizer(optimizer, params, parsed, module=model)
     zero = None
     if base is not None:
-        zero = wrap_with_zero(base, parsed, dims=dims, module=model, comms_logger=comms)
+        zero = wrap_with_zero(
+            base, parsed, dims=dims, module=model, comms_logger=comms, placements=placements
+        )
     schedule = select_scheduler(lr_scheduler, zero, parsed)
     parts = EngineParts(
         config=parsed,

@@ -18,6 +18,10 @@ master views (`deepshard.zero._master_views`).
 
 The params-only constructor ``ZeroOptimizer(inner, group=...)`` builds the same object from the
 inner optimizer's param groups, one unit per group (`resident_from_param_groups`).
+
+Placements naming several reduction groups (expert weights over ``dp``) give a unit one layout
+per group, each over its own group (`ResidentUnit.group`), as at stage 3; how the optimizer side
+reduces, partitions and takes the norm over them is `deepshard.zero._resident_groups`.
 """
 
 from __future__ import annotations

@@ -216,5 +216,6 @@ def test_progress_lines_on_rank_0_only(results: list[dict[str, Any]]) -> None:
         assert all(word in line for line in progress)
     assert sum(line.startswith("time per step (ms): forward") for line in lines) == 2
     assert sum(line.startswith("tensor bytes:") for line in lines) == 2
-    assert sum("zero_reduce_scatter_grads" in line for line in lines) == 2
+    # stage 2 on CPU all-reduces its buckets (gloo's reduce-scatter is slower)
+    assert sum("zero_all_reduce_grads" in line for line in lines) == 2
     assert results[1]["progress"] == []

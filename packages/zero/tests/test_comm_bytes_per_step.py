@@ -8,10 +8,11 @@ param group is one bucket: its parameters at 16-byte aligned offsets, padded to 
 
 * stage 0: one all-reduce per bucket, at the boundary only: Σ padded bucket × comm dtype size;
   no norm collective (every rank holds the same reduced gradients).
-* stage 1: one reduce-scatter per bucket at the boundary (Σ padded bucket × comm size), one
+* stage 1: one reduction per bucket at the boundary (Σ padded bucket × comm size), one
   all-gather per bucket after the step (Σ padded bucket × model dtype size), and one all-reduce
-  of the norm: two fp64 numbers, 16 bytes.
-* stage 2: as stage 1, but the reduce-scatters happen at every micro-step (× ``ga``).
+  of the norm: two fp64 numbers, 16 bytes. On CPU the reduction is an all-reduce of which each
+  rank keeps its chunk (gloo's reduce-scatter is slower, `deepshard.zero._settings`).
+* stage 2: as stage 1, but the reductions happen at every micro-step (× ``ga``).
 
 Passes inside ``no_sync()`` communicate nothing at stages 0-1.
 """
@@ -98,14 +99,14 @@ def test_bytes_per_step_match_the_theory(tmp_path: Path) -> None:
                     assert in_no_sync == 0
                     continue
                 passes = GA if stage == 2 else 1
+                # CPU buckets are all-reduced and sliced (gloo's reduce-scatter is slower),
+                # beside the norm's 16-byte all-reduce
                 assert traffic == {
-                    "reduce_scatter_tensor": passes * padded * comm_size,
                     "all_gather_into_tensor": padded * model_size,
-                    "all_reduce": 16,
+                    "all_reduce": passes * padded * comm_size + 16,
                 }
                 assert calls == {
-                    "reduce_scatter_tensor": passes * len(groups),
                     "all_gather_into_tensor": len(groups),
-                    "all_reduce": 1,
+                    "all_reduce": passes * len(groups) + 1,
                 }
                 assert in_no_sync == (len(groups) if stage == 2 else 0)

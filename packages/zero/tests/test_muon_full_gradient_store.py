@@ -117,12 +117,13 @@ def test_muon_groups_have_their_own_store_behind_the_protocol(tmp_path: Path) ->
             if stage < 2:
                 assert first == [], f"stage {stage}: the first micro-step communicates nothing"
             else:
-                assert [op for op, _ in first] == ["reduce_scatter_tensor"] * len(plain), first
+                assert [op for op, _ in first] == ["all_reduce"] * len(plain), first
             ops = Counter(op for op, _ in boundary)
             reduced = sorted(n for op, n in boundary if op == "all_reduce")
             if stage == 0:  # every bucket all-reduced once, fp32
                 assert reduced == sorted(4 * n for n in muon + plain), boundary
                 assert ops == Counter(all_reduce=len(muon) + len(plain)), ops
-            else:  # Muon buckets all-reduced whole, ordinary ones reduce-scattered
-                assert reduced == sorted(4 * n for n in muon), boundary
-                assert ops == Counter(all_reduce=len(muon), reduce_scatter_tensor=len(plain)), ops
+            else:  # Muon buckets all-reduced whole; ordinary ones too on CPU, each rank
+                # keeping its chunk (gloo's reduce-scatter is slower)
+                assert reduced == sorted(4 * n for n in muon + plain), boundary
+                assert ops == Counter(all_reduce=len(muon) + len(plain)), ops

@@ -2,10 +2,10 @@
 
 Rank 1 of ``dp=2 × ep=2`` is played on a fake process group (no data moves; nothing here
 reads values). The model has a dense layer and an expert layer whose placement reduces it over
-``dp`` only. Stage 3 builds one plan per group; every path not built for several groups —
-stages 0-2, ``shard(group=...)``, a group reaching outside the dense axes, optimizer offload,
-the safe_* helpers, ``state_shards()``, ``GatheredParameters(modifier_rank=...)`` — raises a
-typed error naming what to do instead.
+``dp`` only. Stages 0-3 build one layout per group; every path not built for several groups —
+``shard(group=...)``, a group reaching outside the dense axes, optimizer offload, Muon, the
+safe_* helpers, ``state_shards()``, ``GatheredParameters(modifier_rank=...)``, the params-only
+``ZeroOptimizer(inner, group=...)`` — raises a typed error naming what to do instead.
 """
 
 from __future__ import annotations
@@ -66,11 +66,46 @@ def test_stage3_plans_one_layout_per_group(dims: ParallelDims) -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_stages_0_to_2_refuse_several_groups(dims: ParallelDims, stage: int) -> None:
+def test_stages_0_to_2_lay_out_each_group_and_refuse_the_rest(
+    dims: ParallelDims, stage: int
+) -> None:
+    """Stages 0-2 build one layout per group (trained in test_stage012_expert_and_dense_groups);
+    offload, Muon, the safe_* helpers, state_shards() and the params-only form are refused."""
     model = _model()
-    with pytest.raises(ConfigError, match=r"ZeroPolicy\(stage=.*only stage 3"):
-        shard(
-            model, parallel_dims=dims, policy=ZeroPolicy(stage=stage), placements=_registry(model)
+    policy = ZeroPolicy(stage=stage)
+    resident = shard(model, parallel_dims=dims, policy=policy, placements=_registry(model))
+    assert [(u.name, u.reduce_over, u.param_names) for u in resident.units] == [
+        ("", (), ("0.weight", "0.bias")),
+        ("", ("dp",), ("1.weight", "1.bias")),
+    ]
+    assert resident.mixed_groups
+    assert [resident.unit_partition_count(u) for u in (0, 1)] == ([1, 1] if stage == 0 else [4, 2])
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if stage:
+        offload = ZeroConfig(stage=stage, offload_optimizer={"device": "cpu"})
+        with pytest.raises(ConfigError, match="offload_optimizer: not built"):
+            ZeroOptimizer(inner, resident, config=offload)
+    with pytest.raises(ConfigError, match="full_grad_transform: Muon is not built"):
+        ZeroOptimizer(
+            inner,
+            resident,
+            config=ZeroConfig(stage=stage),
+            full_grad_transform=lambda grad, buffer, group: grad,
+            transformed_params=list(model[0].parameters()),
+        )
+    zero = ZeroOptimizer(inner, resident, config=ZeroConfig(stage=stage))
+    with pytest.raises(ConfigError, match="safe_get_"):
+        safe_get_full_fp32_param(model[1].weight, zero)
+    with pytest.raises(ConfigError, match="state_shards"):
+        zero.state_shards()
+    with pytest.raises(TopologyError, match="reduce every parameter they wrap over one group"):
+        fresh = _model()
+        ZeroOptimizer(
+            torch.optim.Adam(fresh.parameters()),
+            group=dims.dense_dp,
+            config=ZeroConfig(stage=stage),
+            named_parameters=fresh.named_parameters(),
+            placements=_registry(fresh),
         )
 
 

@@ -59,7 +59,7 @@ from deepshard.engine._sequence_parallel import apply_sequence_parallel, shard_l
 from deepshard.engine._tensor_parallel import apply_tensor_parallel, check_tp_layout
 from deepshard.engine._zero_wiring import parallel_dims, wrap_with_zero
 from deepshard.engine.loss_scaler import build_loss_scaler
-from deepshard.interface import BatchSizes, DeepShardConfig
+from deepshard.interface import BatchSizes, DeepShardConfig, PlacementRegistry
 from deepshard.interface.config import CommsLoggerConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.interface.watchdog import resolve_watchdog_s
@@ -195,6 +195,7 @@ def initialize(
     distributed_port: int | None = None,
     mpu: Any = None,
     mesh_param: Any = None,
+    placements: PlacementRegistry | None = None,
 ) -> InitializeResult:
     """Builds the training engine, optimizer, data loader and LR schedule for ``model``.
 
@@ -232,6 +233,11 @@ def initialize(
         mpu: Refused: DeepShard builds its process groups from the config's layout
             (``tensor_parallel.autotp_size``, ``sequence_parallel_size``, ``moe``).
         mesh_param: Refused likewise (set ``sequence_parallel_size``).
+        placements: The model's `deepshard.interface.PlacementRegistry` (from AutoTP/AutoEP
+            or by hand: expert parameters reduced over ``dp``), passed to
+            ``deepshard.zero.shard`` at every stage; ``None``: every parameter whole on every
+            rank. It must be keyed by the model's parameter names and built for the mesh's
+            topology.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``.
@@ -240,7 +246,7 @@ def initialize(
         ConfigError: No model; no config, two of them, or a config file that does not exist;
             an ``mpu``; the config is invalid or asks for something the engine does not run; the
             batch sizes disagree with the world; the optimizer, schedule or ZeRO settings are
-            refused. Each problem names its key.
+            refused; ``placements`` does not fit the model or mesh. Each problem names its key.
         TopologyError: The world does not fit the config's parallel degrees or the mesh.
         CommError: ``dist_init_required=False`` without a process group, or the rendezvous
             failed.
@@ -263,7 +269,13 @@ def initialize(
     precision = plan_precision(parsed, device.type)
     check_init_built(model, parsed, dims=dims, param_dtype=precision.param_dtype, device=device)
     apply_sequence_parallel(model, parsed, dims=dims)
-    placements = apply_tensor_parallel(model, parsed, dims=dims)
+    if placements is not None and dims.topology.tp > 1:  # before the model is split
+        raise ConfigError(
+            "initialize(placements=) together with tensor_parallel.autotp_size > 1: AutoTP "
+            "writes the placements of the model it splits; drop the argument"
+        )
+    tp_placements = apply_tensor_parallel(model, parsed, dims=dims)
+    placements = tp_placements if tp_placements is not None else placements
     precision.cast_model(model, device)
     comms = _comms_logger(parsed, dims.rank)
     params = default_parameters(model, parsed) if model_parameters is None else model_parameters

@@ -1,7 +1,9 @@
 """How the engine attaches ZeRO: which group it partitions over, and when a pass is a boundary.
 
-The engine describes the model's parameters with the default placement registry (every
-parameter whole on every rank, reduced over ``dp × ep × sp``, `Topology.dense_dp_axes`) and
+The engine describes the model's parameters with the caller's placement registry
+(``initialize(placements=)``, checked by `deepshard.engine._placements_arg`), else the default
+one (every parameter whole on every rank, reduced over ``dp × ep × sp``,
+`Topology.dense_dp_axes`), and
 hands ZeRO the matching group from `deepshard.comm.ParallelDims` (``dims.dense_dp``); ZeRO
 checks the two agree and derives its shard maps from the placements.
 
@@ -34,6 +36,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from deepshard.comm import CommsLogger, ParallelDims
+from deepshard.engine._placements_arg import engine_placements
 from deepshard.interface import DeepShardConfig, PlacementRegistry
 from deepshard.interface.errors import ConfigError
 from deepshard.optimizers import Muon, muon_update
@@ -77,8 +80,8 @@ def wrap_with_zero(
         dims: The training mesh and its groups (ZeRO gets ``dims.dense_dp``).
         module: The model (already cast): its parameter names and shapes make the placements.
         comms_logger: Records every collective ZeRO issues.
-        placements: Every parameter's placement (a tensor-parallel model's, from AutoTP);
-            ``None``: a plain model, every parameter whole on every rank.
+        placements: The model's placement registry (``initialize(placements=)``); ``None``:
+            every parameter whole on every rank (`engine_placements`).
 
     Returns:
         The wrapper.
@@ -87,14 +90,19 @@ def wrap_with_zero(
         ConfigError: As `deepshard.zero.build_zero_optimizer` does (offload,
             ``compute_grad_norm: false`` with clipping, an untested optimizer...).
     """
-    if placements is None:
-        placements = PlacementRegistry.replicated(module.named_parameters(), dims.topology)
+    given = placements
+    placements = engine_placements(placements, module, dims.topology)
     muon = isinstance(optimizer, Muon)
     problems = optimizer_side_problems(optimizer, config, transformed=muon)
     if problems:  # before shard() re-points the model's parameters
         raise ConfigError.from_problems(problems)
     # a model built under deepshard.zero.Init is sharded already (stage 3, checked)
     sharded: ShardedModule | ResidentModule | None = sharded_module_of(module)
+    if sharded is not None and given is not None:
+        raise ConfigError(
+            "initialize(placements=): the model was built under deepshard.zero.Init, which "
+            "sharded it with its own placements already; drop the argument"
+        )
     if sharded is None:
         sharded = shard(
             module,

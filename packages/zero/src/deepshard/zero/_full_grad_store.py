@@ -40,9 +40,12 @@ __all__ = ["FullGroupGradients", "SplitGradients", "local_settings"]
 def local_settings(settings: StoreSettings, groups: Sequence[int]) -> StoreSettings:
     """``settings`` for a store over only ``groups`` (its registration positions cut down)."""
     positions = settings.param_positions
-    if positions is None:
-        return settings
-    return replace(settings, param_positions=tuple(positions[g] for g in groups))
+    if positions is not None:
+        settings = replace(settings, param_positions=tuple(positions[g] for g in groups))
+    own = settings.layout_groups
+    if own is not None:
+        settings = replace(settings, layout_groups=tuple(own[g] for g in groups))
+    return settings
 
 
 class FullGroupGradients(GradientStore):
@@ -105,7 +108,7 @@ class FullGroupGradients(GradientStore):
         bucket = layout.buckets[b]
         view = self.buffers[g][bucket.start : bucket.stop]
         comm = view.to(self.comm_dtypes[g])  # the view itself when the dtypes agree
-        pending = self._reduce(comm, scatter=False, async_op=self.async_op)
+        pending = self._reduce(comm, g, scatter=False, async_op=self.async_op)
         target = None
         if self.partitions is not None:
             chunk = layout.chunk_numel(bucket)

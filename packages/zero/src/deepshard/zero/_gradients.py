@@ -62,6 +62,9 @@ class StoreSettings:
         logger: Records every collective.
         param_positions: Each trainable parameter's index in the model's registration order,
             per group; decides the launch order (see `launch_order`).
+        layout_groups: Each layout's own group (expert units reduce over theirs), ``None``:
+            every layout reduces over ``group``. One scheduler orders the buckets of every
+            group, so all ranks issue the collectives of each group in the same order.
     """
 
     device: torch.device
@@ -71,6 +74,11 @@ class StoreSettings:
     accum_dtype: torch.dtype | None = None
     logger: CommsLogger | None = None
     param_positions: tuple[tuple[int, ...], ...] | None = None
+    layout_groups: tuple[Group, ...] | None = None
+
+    def group_of(self, layout: int) -> Group:
+        """The group layout ``layout``'s buckets are reduced over."""
+        return self.group if self.layout_groups is None else self.layout_groups[layout]
 
 
 def launch_order(
@@ -181,6 +189,7 @@ class GradientStore(ABC):
     def _reduce(
         self,
         bucket: torch.Tensor,
+        layout: int,
         *,
         scatter: bool,
         output: torch.Tensor | None = None,
@@ -189,7 +198,7 @@ class GradientStore(ABC):
         s = self.settings
         return reduce_bucket(
             bucket,
-            group=s.group,
+            group=s.group_of(layout),
             reduction=s.reduction,
             scatter=scatter,
             use_reduce_scatter=s.use_reduce_scatter,
@@ -248,10 +257,10 @@ class AccumulatedGradients(GradientStore):
         comm = view.to(self.comm_dtypes[g])  # the view itself when the dtypes agree
         if not self.partitioned:
             target = view
-            pending = self._reduce(comm, scatter=False)
+            pending = self._reduce(comm, g, scatter=False)
         else:
             direct = comm.dtype == torch.float32 and self.settings.use_reduce_scatter
-            pending = self._reduce(comm, scatter=True, output=target if direct else None)
+            pending = self._reduce(comm, g, scatter=True, output=target if direct else None)
 
         def finish() -> None:
             result = pending.wait()
@@ -332,7 +341,7 @@ class PartitionedGradients(GradientStore):
         staging = self.staging.pop(key, None)
         if staging is None:  # no parameter of the bucket got a gradient in this pass
             staging = self._zeros(bucket.numel, self.comm_dtypes[g])
-        pending = self._reduce(staging, scatter=True, async_op=self.overlap)
+        pending = self._reduce(staging, g, scatter=True, async_op=self.overlap)
 
         def finish() -> None:
             target.add_(pending.wait())

@@ -113,7 +113,7 @@ def _unit_views(
 def plan_master_views(
     unit_params: Sequence[Sequence[torch.Tensor]],
     layouts: Sequence[FlatLayout],
-    rank: int,
+    rank: int | Sequence[int],
     param_groups: Sequence[MutableMapping[str, Any]],
     transformed: Collection[int],
     view_numel: int | None,
@@ -123,7 +123,8 @@ def plan_master_views(
     Args:
         unit_params: Each unit's trainable parameters, in layout order.
         layouts: Their layouts.
-        rank: This rank's partition index (0 when unpartitioned).
+        rank: This rank's partition index (0 when unpartitioned), or one per unit (units
+            partitioned over different groups).
         param_groups: The inner optimizer's param groups (not changed).
         transformed: ``id`` of every parameter under the full-gradient transform.
         view_numel: Most elements of an ordinary view; ``None``: one view per merged range.
@@ -134,6 +135,8 @@ def plan_master_views(
     owned = {id(p) for params in unit_params for p in params}
     group_of = _group_of(param_groups, owned)
     plans: list[ViewPlan] = []
+    ranks = [rank] * len(layouts) if isinstance(rank, int) else list(rank)
     for u, (params, layout) in enumerate(zip(unit_params, layouts, strict=True)):
-        plans += _cut(_unit_views(u, params, layout, rank, group_of, transformed), view_numel)
+        views = _unit_views(u, params, layout, ranks[u], group_of, transformed)
+        plans += _cut(views, view_numel)
     return plans

@@ -23,6 +23,7 @@ import torch
 from deepshard.interface import ShardMap, ShardPiece
 from deepshard.interface.errors import ConfigError
 from deepshard.zero._owner_views import OwnerViews, flat_like
+from deepshard.zero._resident_groups import refuse_mixed
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from deepshard.zero._full_grad_store import SplitGradients
     from deepshard.zero._offload import HostOffload
     from deepshard.zero._passes import BackwardPasses
+    from deepshard.zero._resident import ResidentModule
 
 __all__ = ["ZeroPartitionAccess"]
 
@@ -47,6 +49,7 @@ class ZeroPartitionAccess(OwnerViews):
     _passes: BackwardPasses
     _offload: HostOffload | None
     _group: torch.distributed.ProcessGroup
+    _resident: ResidentModule
 
     @property
     def partition_group(self) -> torch.distributed.ProcessGroup:
@@ -64,6 +67,7 @@ class ZeroPartitionAccess(OwnerViews):
         }
 
     def _find(self, param: torch.Tensor) -> tuple[int, ParamShard] | None:
+        refuse_mixed(self._resident, "safe_get_*/safe_set_*")
         found = self._shard_of.get(id(param))
         if found is None and param.requires_grad:
             raise ConfigError(

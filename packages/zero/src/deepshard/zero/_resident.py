@@ -18,11 +18,15 @@ master views (`deepshard.zero._master_views`).
 
 The params-only constructor ``ZeroOptimizer(inner, group=...)`` builds the same object from the
 inner optimizer's param groups, one unit per group (`resident_from_param_groups`).
+
+Placements naming several reduction groups (expert weights over ``dp``) give a unit one layout
+per group, each over its own group (`ResidentUnit.group`), as at stage 3; how the optimizer side
+reduces, partitions and takes the norm over them is `deepshard.zero._resident_groups`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +39,7 @@ from deepshard.interface.errors import ConfigError
 from deepshard.zero._flat_params import FlatParams, common_dtype_and_device
 from deepshard.zero._placements import registration_positions
 from deepshard.zero._policy import ZeroPolicy
+from deepshard.zero._rgroups import axes_of
 from deepshard.zero._settings import message_numel
 from deepshard.zero._tp import tp_group_for
 from deepshard.zero._units import plan_units
@@ -59,12 +64,17 @@ class ResidentUnit:
         param_names: The parameters' qualified names, in layout order.
         params: The parameters, in layout order.
         flat: Their flat buffer and its bucketed layout.
+        group: The group its gradients are reduced (and, at stages 1-2, its masters
+            partitioned) over: the dense group, or its parameters' own reduction group.
+        reduce_over: The mesh axes of that group (``()``: the dense group ``shard`` got).
     """
 
     name: str
     param_names: tuple[str, ...]
     params: tuple[torch.nn.Parameter, ...]
     flat: FlatParams
+    group: torch.distributed.ProcessGroup
+    reduce_over: tuple[str, ...] = ()
 
     @property
     def layout(self) -> FlatLayout:
@@ -111,6 +121,24 @@ class ResidentModule:
         return self.group.rank() if self.policy.stage >= 1 else 0
 
     @property
+    def mixed_groups(self) -> bool:
+        """Whether some unit is reduced over another group than `group` (expert parameters)."""
+        return any(u.group is not self.group for u in self.units)
+
+    def unit_partition_count(self, unit: int) -> int:
+        """Partitions of unit ``unit``: its group's size at stages 1-2, 1 at stage 0."""
+        return self.units[unit].group.size() if self.policy.stage >= 1 else 1
+
+    def unit_partition_rank(self, unit: int) -> int:
+        """This rank's partition of unit ``unit`` (0 at stage 0)."""
+        return self.units[unit].group.rank() if self.policy.stage >= 1 else 0
+
+    @property
+    def partition_ranks(self) -> list[int]:
+        """This rank's partition of every unit (`unit_partition_rank`), in unit order."""
+        return [self.unit_partition_rank(u) for u in range(len(self.units))]
+
+    @property
     def gather_numel(self) -> int:
         """Most elements of one all-gather after the step (capped on CPU)."""
         return message_numel(self.policy.allgather_bucket_size, self.device)
@@ -133,8 +161,13 @@ def build_resident(
     placements: PlacementRegistry | None,
     comms_logger: CommsLogger | None,
     tp_group: torch.distributed.ProcessGroup | None = None,
+    groups: Mapping[tuple[str, ...], torch.distributed.ProcessGroup] | None = None,
 ) -> ResidentModule:
     """`deepshard.zero.shard` at stages 0-2: plan the units, move each into its buffer.
+
+    ``groups`` (reduction axes → process group, `deepshard.zero._rgroups.reduction_groups`)
+    gives a unit whose parameters name one of them a layout of its own over that group, as at
+    stage 3 (one layout per unit × reduction group).
 
     Raises:
         ConfigError: A unit mixes dtypes or devices, or holds non-float parameters.
@@ -147,13 +180,16 @@ def build_resident(
             f"the model's parameters live on several devices {sorted(map(str, devices))}; ZeRO "
             "needs the whole model on one device (move it before deepshard.zero.shard)"
         )
-    world = group.size() if policy.stage >= 1 else 1
+    groups = dict(groups or {})
+    partitioned = policy.stage >= 1
     plans = plan_units(
         module,
         policy,
-        world_size=world,
+        world_size=group.size() if partitioned else 1,
         bucket_numel=message_numel(policy.reduce_bucket_size, device),
         trainable_only=True,
+        reduce_over=axes_of(module, placements, groups),
+        world_of=lambda axes: groups[axes].size() if partitioned else 1,
     )
     kept = [plan for plan in plans if plan.params] or list(plans[:1])
     units = tuple(
@@ -162,6 +198,8 @@ def build_resident(
             plan.param_names,
             plan.params,
             FlatParams(plan.params, plan.layout, plan.dtype, device),
+            groups[plan.reduce_over] if plan.reduce_over else group,
+            plan.reduce_over,
         )
         for plan in kept
     )
@@ -222,7 +260,7 @@ def resident_from_param_groups(
             names.get(id(p), f"param_groups.{g}.params.{i}") for i, p in enumerate(params)
         )
         flat = FlatParams(params, layout, dtype, device)
-        units.append(ResidentUnit(f"param_groups.{g}", unit_names, tuple(params), flat))
+        units.append(ResidentUnit(f"param_groups.{g}", unit_names, tuple(params), flat, group))
     positions = registration_positions(trainable_groups, named)
     return ResidentModule(
         None, tuple(units), group, policy, comms_logger, placements, positions, device

@@ -94,15 +94,17 @@ def shard(
     if policy.param_dtype is not None:
         module.to(policy.param_dtype)
     groups = reduction_groups(module, pg, parallel_dims, placements)
-    if groups and policy.stage < 3:
-        raise ConfigError(
-            f"ZeroPolicy(stage={policy.stage}): the placements name several reduction groups "
-            f"({sorted(groups)} besides the dense one); only stage 3 lays a unit out per group "
-            "so far: use ZeroPolicy(stage=3), or wrap each kind in its own ZeroOptimizer"
-        )
     tp_group = tp_group_for(placements, parallel_dims)
+    if groups and tp_group is not None and policy.stage < 3:
+        raise ConfigError(
+            f"ZeroPolicy(stage={policy.stage}): tensor-parallel placements together with several "
+            f"reduction groups ({sorted(groups)} besides the dense one) are not built below "
+            "stage 3; use ZeroPolicy(stage=3), or train the expert and TP parts separately"
+        )
     if policy.stage < 3:
-        return build_resident(module, pg, policy, placements, comms_logger, tp_group)
+        return build_resident(
+            module, pg, policy, placements, comms_logger, tp_group=tp_group, groups=groups
+        )
     return build_sharded(
         module, pg, policy, placements, comms_logger, groups=groups, tp_group=tp_group
     )

@@ -23,6 +23,7 @@ import torch
 
 from deepshard.interface import ShardPiece
 from deepshard.interface.errors import ConfigError
+from deepshard.zero._resident_groups import refuse_mixed
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:
@@ -149,7 +150,12 @@ def _offload_regions(
 
 
 def flat_regions(opt: ZeroOptimizer) -> Regions:
-    """Stages 0-2: one region per param group; the model copy is the flat buffer (whole)."""
+    """Stages 0-2: one region per param group; the model copy is the flat buffer (whole).
+
+    Raises:
+        ConfigError: The model has several reduction groups (not built here yet).
+    """
+    refuse_mixed(opt._resident, "state_shards()/load_state_shards()")
     offload = opt._offload
     if offload is None:
         regions = [

@@ -58,7 +58,6 @@ from deepshard.zero._optimizer_check import master_view_numel, optimizer_problem
 from deepshard.zero._optimizer_reads import ZeroReads
 from deepshard.zero._owner import ZeroPartitionAccess
 from deepshard.zero._passes import BackwardPasses
-from deepshard.zero._placements import resolve_placements
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._resident import (
     ResidentModule,
@@ -66,9 +65,11 @@ from deepshard.zero._resident import (
     resident_from_param_groups,
     sharded_section,
 )
-from deepshard.zero._settings import zero_problems
+from deepshard.zero._resident_groups import norm_inputs, refresh_units, unit_shards
+from deepshard.zero._rgroups import mixed_group_problems
+from deepshard.zero._settings import uses_reduce_scatter, zero_problems
 from deepshard.zero._sharded import ShardedModule
-from deepshard.zero._shards import ParamShard, param_shards
+from deepshard.zero._shards import ParamShard
 from deepshard.zero._state_dict import load_partitioned_state, partitioned_state
 from deepshard.zero._state_shards import StateShardAccess
 from deepshard.zero._states import StateOffload
@@ -183,6 +184,8 @@ class ZeroOptimizer(
         given |= {"placements": placements, "comms_logger": comms_logger}
         problems += model_side_problems(self.config, sharded, given)
         problems += tp_problems(sharded, transformed=transformed)
+        if sharded is not None and sharded.mixed_groups:
+            problems += mixed_group_problems(self.config, transformed=transformed)
         if problems:
             raise ConfigError.from_problems(problems)
         if sharded is None:  # the params-only form; resolve_group refuses a missing group
@@ -215,22 +218,23 @@ class ZeroOptimizer(
         self._group, self._logger = resident.group, resident.comms_logger
         self._partitions, self._partition_rank = resident.partition_count, resident.partition_rank
         self._params, self._flat = resident.params, [u.flat for u in resident.units]
-        self._device = resident.device
-        self._masters = [flat.master_partition(self._partition_rank) for flat in self._flat]
+        self._device, self._unit_ranks = resident.device, resident.partition_ranks
+        ranks = zip(self._flat, self._unit_ranks, strict=True)
+        self._masters = [flat.master_partition(rank) for flat, rank in ranks]
         self._gather_calls = [
             plan_gather_calls(f.layout, max_numel=resident.gather_numel) for f in self._flat
         ]
-        where = resolve_placements(self._group, self._params, resident.names, resident.placements)
-        self._shards = param_shards(self.layouts, resident.names, where)
+        self._shards = unit_shards(resident)
         self._tp = resident_tp_grads(resident, self._shards)
         self._settings = StoreSettings(
             self._device,
             self._group,
             self._policy.reduction,
-            use_reduce_scatter=self.config.reduce_scatter,
+            use_reduce_scatter=uses_reduce_scatter(self.config.reduce_scatter, self._device),
             accum_dtype=self._policy.grad_accum_dtype,
             logger=self._logger,
             param_positions=resident.param_positions,
+            layout_groups=tuple(u.group for u in resident.units) if resident.mixed_groups else None,
         )
         self._aio = aio
 
@@ -244,7 +248,7 @@ class ZeroOptimizer(
         ranges = [
             (v.unit, v.lo, v.hi, v.group)
             for v in plan_master_views(
-                self._params, self.layouts, self._partition_rank, optimizer.param_groups, (), None
+                self._params, self.layouts, self._unit_ranks, optimizer.param_groups, (), None
             )
         ]
         dtypes = tuple(flat.buffer.dtype for flat in self._flat)
@@ -363,14 +367,14 @@ class ZeroOptimizer(
     def _apply_gradients(self, loss_scale: float) -> tuple[float | None, bool]:
         """Check, clip and step the masters with this rank's gradients; ``(norm, overflow)``."""
         grads = self._store.partition_grads()
-        group = self._group if self._partitions > 1 else None
+        counted, group = norm_inputs(self._resident, grads)
         settings = (self.config.compute_grad_norm, self.norm_type, group, self._device)
         norm_settings = NormSettings(*settings, self._logger, self._tp)
         transform = None
         if self._full.active:
             args = (grads, loss_scale, self.inner.param_groups)
             transform = functools.partial(self._full.apply, *args)
-        norm, overflow = checked_norm(grads, loss_scale, norm_settings, transform)
+        norm, overflow = checked_norm(counted, loss_scale, norm_settings, transform)
         if not overflow:
             factor = scale_factor(norm, clip=self.gradient_clipping, loss_scale=loss_scale)
             if self._offload is not None:
@@ -380,11 +384,7 @@ class ZeroOptimizer(
         return norm, overflow
 
     def _refresh_params(self) -> None:
-        for flat, master, calls in zip(self._flat, self._masters, self._gather_calls, strict=True):
-            if self._partitions == 1:
-                flat.copy_from(master)
-            else:
-                flat.gather_from(master, calls, group=self._group, logger=self._logger)
+        refresh_units(self._resident, self._masters, self._gather_calls, self._logger)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (``step`` already does after every step).

@@ -70,9 +70,10 @@ PACKAGES: tuple[PackageStatus, ...] = (
     PackageStatus(
         "deepshard-autoep",
         "deepshard.autoep",
-        None,
-        "automatic expert parallelism for MoE models",
-        "planned",
+        "packages/autoep",
+        "MoE routing (fp32 router: correction bias, group-limited), `fused_weighted_sum`, "
+        "DeepSpeed's classic `MoE` layer at ep_size 1 (available); expert parallelism (planned)",
+        "partial",
     ),
     PackageStatus(
         "deepshard-sequence-parallel",

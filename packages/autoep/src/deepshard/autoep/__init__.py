@@ -3,10 +3,36 @@
 ``route(logits, top_k=..., score_func=..., ...)`` is the fp32 router of Mixtral, Qwen-MoE and
 DeepSeek-V2/V3 (softmax or sigmoid scores, a correction bias that steers the choice but not the
 weights, group-limited routing, ``route_norm`` / ``route_scale``) as one function of the logits.
+
+``parallelize_experts(model, mesh)`` replaces a Hugging Face MoE model's blocks with
+expert-parallel ones (each rank keeps ``E / ep`` experts; tokens travel by all-to-all) and
+returns a `ReplacementReport` with every parameter's placement and the experts' shard maps;
+``remap_optimizer`` moves an optimizer built before the replacement onto the new parameters.
 """
 
 from __future__ import annotations
 
+from deepshard.autoep._dispatch import AllToAllTransport
+from deepshard.autoep._ep_layer import ExpertParallelBlock
+from deepshard.autoep._grouped_experts import GroupedExperts
+from deepshard.autoep._presets import PRESETS, MoePreset
+from deepshard.autoep._remap import remap_optimizer
+from deepshard.autoep._replace import parallelize_experts
+from deepshard.autoep._report import ParamSwap, ReplacedBlock, ReplacementReport
 from deepshard.autoep._router import Routing, ScoreFunc, route
 
-__all__ = ["Routing", "ScoreFunc", "route"]
+__all__ = [
+    "PRESETS",
+    "AllToAllTransport",
+    "ExpertParallelBlock",
+    "GroupedExperts",
+    "MoePreset",
+    "ParamSwap",
+    "ReplacedBlock",
+    "ReplacementReport",
+    "Routing",
+    "ScoreFunc",
+    "parallelize_experts",
+    "remap_optimizer",
+    "route",
+]

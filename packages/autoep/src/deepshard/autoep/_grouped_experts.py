@@ -35,12 +35,12 @@ __all__ = ["GroupedExperts", "aligned_expert_weight", "grouped_mm_usable"]
 _ALIGN_BYTES = 16
 
 
-def aligned_expert_weight(source: torch.Tensor) -> nn.Parameter:
+def aligned_expert_weight(source: torch.Tensor, *, requires_grad: bool = True) -> nn.Parameter:
     """A contiguous, 16-byte aligned copy of ``source`` as a new parameter."""
     copy = torch.empty(source.shape, dtype=source.dtype, device=source.device)
     copy.copy_(source.detach())
     assert copy.data_ptr() % _ALIGN_BYTES == 0, "allocator returned unaligned storage"
-    return nn.Parameter(copy, requires_grad=source.requires_grad)
+    return nn.Parameter(copy, requires_grad=requires_grad)
 
 
 def _strides_aligned(tensor: torch.Tensor) -> bool:

@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-
 import transformers
+from torch import nn
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe")
 _COMMON = dict(
@@ -112,4 +111,4 @@ def reference_step(
     (sum(losses) / len(losses)).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return [float(loss) for loss in losses]
+    return [float(loss.detach()) for loss in losses]

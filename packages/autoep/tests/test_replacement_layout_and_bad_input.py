@@ -47,7 +47,9 @@ def _as_module_list(model: nn.Module) -> nn.Module:
         experts = getattr(module, "experts", None)
         if experts is not None and hasattr(experts, "gate_up_proj"):
             mlps = [
-                _Mlp(experts.gate_up_proj[e].detach(), experts.down_proj[e].detach(), experts.act_fn)
+                _Mlp(
+                    experts.gate_up_proj[e].detach(), experts.down_proj[e].detach(), experts.act_fn
+                )
                 for e in range(experts.gate_up_proj.shape[0])
             ]
             module.experts = nn.ModuleList(mlps)
@@ -137,7 +139,9 @@ def test_bad_input_names_the_key() -> None:
         with pytest.raises(ConfigError, match="no MoE block"):
             parallelize_experts(nn.Sequential(nn.Linear(4, 4)), mesh)
         with pytest.raises(ConfigError, match="preset_model: 'gpt'"):
-            parallelize_experts(_tiny.build("mixtral", 4), mesh, ExpertParallelConfig(preset_model="gpt"))
-    with fake_mesh(Topology(ep=4), 0) as mesh:
-        with pytest.raises(ConfigError, match="autoep_size: 4 does not divide the 6 experts"):
-            parallelize_experts(_tiny.build("mixtral", 6), mesh)
+            parallelize_experts(
+                _tiny.build("mixtral", 4), mesh, ExpertParallelConfig(preset_model="gpt")
+            )
+    message = "autoep_size: 4 does not divide the 6 experts"
+    with fake_mesh(Topology(ep=4), 0) as mesh, pytest.raises(ConfigError, match=message):
+        parallelize_experts(_tiny.build("mixtral", 6), mesh)

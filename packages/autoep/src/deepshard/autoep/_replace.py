@@ -81,10 +81,15 @@ def _correction_bias(block: nn.Module, name: str) -> str | None:
 
 
 def _mlp_names(config: ExpertParallelConfig) -> Sequence[tuple[str, str, str]]:
-    if config.expert_w1 and config.expert_w2:
-        w3 = config.expert_w3 or ""
-        return ((config.expert_w1, w3, config.expert_w2),)
-    return _MLP_NAMES
+    names = (config.expert_w1, config.expert_w3, config.expert_w2)
+    if not any(names):
+        return _MLP_NAMES
+    if not all(names):
+        raise ConfigError(
+            "expert_parallel.expert_w1/expert_w3/expert_w2: give all three linear names (gate, "
+            "up, down); experts without a gate projection are not supported"
+        )
+    return ((str(names[0]), str(names[1]), str(names[2])),)
 
 
 def _experts_layout(
@@ -93,17 +98,28 @@ def _experts_layout(
     """``(layout, gate_up sources, down sources, act_fn)`` of an experts container."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3:
-        return "fused", [gate_up], [down], experts.act_fn
+        return "fused", [gate_up], [down], _act_fn(experts, name)
     if isinstance(experts, nn.ModuleList) and len(experts) > 0:
         for g, u, d in _mlp_names(config):
             if all(isinstance(getattr(e, a, None), nn.Linear) for e in experts for a in (g, u, d)):
                 ups = [w for e in experts for w in (getattr(e, g).weight, getattr(e, u).weight)]
-                return "module_list", ups, [getattr(e, d).weight for e in experts], experts[0].act_fn
+                downs = [getattr(e, d).weight for e in experts]
+                return "module_list", ups, downs, _act_fn(experts[0], name)
     raise ConfigError(
         f"{name}: experts are neither fused 3-D gate_up_proj/down_proj parameters nor a "
         "ModuleList of gated MLPs (gate_proj/up_proj/down_proj); set expert_parallel.expert_w1/"
         "expert_w3/expert_w2 to the linear names"
     )
+
+
+def _act_fn(module: nn.Module, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    act = getattr(module, "act_fn", None)
+    if not callable(act):
+        raise ConfigError(
+            f"{name}: the experts have no act_fn (the gate activation); give the expert module "
+            "an act_fn attribute (e.g. torch.nn.SiLU())"
+        )
+    return act  # type: ignore[no-any-return]
 
 
 def _local_weights(
@@ -165,8 +181,14 @@ def _build_block(
         _move_tensor(block, new_block, bias_path)
     prefix = f"{name}.{preset.experts_attr}"
     swaps = [
-        (f"{prefix}.gate_up_proj", ParamSwap(f"{prefix}.gate_up_proj", new_gate_up, tuple(gate_up), derive_gate_up)),
-        (f"{prefix}.down_proj", ParamSwap(f"{prefix}.down_proj", new_down, tuple(down), derive_down)),
+        (
+            f"{prefix}.gate_up_proj",
+            ParamSwap(f"{prefix}.gate_up_proj", new_gate_up, tuple(gate_up), derive_gate_up),
+        ),
+        (
+            f"{prefix}.down_proj",
+            ParamSwap(f"{prefix}.down_proj", new_down, tuple(down), derive_down),
+        ),
     ]
     bias_fqn = f"{name}.{bias_path}" if bias_path else None
     info = ReplacedBlock(name, preset.name, num_experts, (lo, hi), layout, bias_fqn)
@@ -199,7 +221,10 @@ def _move_tensor(old: nn.Module, new: nn.Module, name: str) -> None:
 
 
 def _placements(
-    model: nn.Module, dims: ParallelDims, swaps: Sequence[ParamSwap], blocks: Sequence[ReplacedBlock]
+    model: nn.Module,
+    dims: ParallelDims,
+    swaps: Sequence[ParamSwap],
+    blocks: Sequence[ReplacedBlock],
 ) -> tuple[PlacementRegistry, dict[str, ShardMap]]:
     topology, ep = dims.topology, dims.topology.ep
     registry = PlacementRegistry.replicated(model.named_parameters(), topology)

@@ -13,7 +13,8 @@ import deepshard.kernels as kernels
 
 def test_report_names_every_op_and_what_it_runs_on():
     report = kernels.kernel_report()
-    assert [op.name for op in report.ops] == ["cpu_adam_step", "cpu_lion_step", "fused_adam_step"]
+    names = ["cpu_adam_step", "cpu_lion_step", "fused_adam_step", "fused_weighted_sum"]
+    assert [op.name for op in report.ops] == names
     for name in ("cpu_adam_step", "cpu_lion_step"):
         op = report.op(name)
         assert op.compiled and op.fallback_reason is None
@@ -24,6 +25,10 @@ def test_report_names_every_op_and_what_it_runs_on():
     assert fused.compiled == compiled
     assert (fused.detail if compiled else fused.fallback_reason) == description
     assert fused.backend == ("cuda" if compiled else "reference")
+    combine = report.op("fused_weighted_sum")
+    compiled, description = kernels.fused_weighted_sum_status()
+    assert (combine.compiled, combine.backend) == (compiled, "triton" if compiled else "reference")
+    assert (combine.detail if compiled else combine.fallback_reason) == description
     with pytest.raises(KeyError, match="no op named 'nope'"):
         report.op("nope")
 

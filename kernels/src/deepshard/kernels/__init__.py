@@ -7,6 +7,9 @@
 - `foreach_adam_step` / `foreach_lion_step`: the dtype-general ``torch._foreach`` twins (any
   device, any floating dtype) that `fused_adam_step` falls back to and
   deepshard-optimizers' ``impl="foreach"`` runs.
+- `fused_weighted_sum`: a mixture-of-experts layer's combine (expert-sorted rows back into
+  weighted token rows, fp32 accumulation) in one pass, differentiable; Triton kernels on CUDA
+  tensors, the pure-torch twin `reference_fused_weighted_sum` everywhere else.
 
 Every op is a ``torch.library`` custom op (``deepshard::...``), so it composes with
 ``torch.compile``. Importing this package loads no extension; the first call does, and if the
@@ -25,6 +28,11 @@ from deepshard.kernels._fused_adam import fused_adam_status, fused_adam_step
 from deepshard.kernels._reference import reference_adam_step, reference_lion_step
 from deepshard.kernels._report import KernelReport, OpReport, kernel_report
 from deepshard.kernels._simd import active_simd_path, available_simd_paths, use_simd_path
+from deepshard.kernels._weighted_sum import (
+    fused_weighted_sum,
+    fused_weighted_sum_status,
+    reference_fused_weighted_sum,
+)
 
 __all__ = [
     "SIMD_ENV_VAR",
@@ -39,8 +47,11 @@ __all__ = [
     "foreach_lion_step",
     "fused_adam_status",
     "fused_adam_step",
+    "fused_weighted_sum",
+    "fused_weighted_sum_status",
     "kernel_report",
     "reference_adam_step",
+    "reference_fused_weighted_sum",
     "reference_lion_step",
     "use_simd_path",
 ]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from deepshard.kernels import _extension
 from deepshard.kernels._fused_adam import fused_adam_status
 from deepshard.kernels._simd import REFERENCE
+from deepshard.kernels._weighted_sum import fused_weighted_sum_status
 
 __all__ = ["KernelReport", "OpReport", "kernel_report"]
 
@@ -90,4 +91,12 @@ def kernel_report() -> KernelReport:
         None if compiled else description,
         description if compiled else "",
     )
-    return KernelReport((*_cpu_reports(), fused))
+    weighted, why = fused_weighted_sum_status()
+    combine = OpReport(
+        "fused_weighted_sum",
+        weighted,
+        "triton" if weighted else REFERENCE,
+        None if weighted else why,
+        why if weighted else "",
+    )
+    return KernelReport((*_cpu_reports(), fused, combine))

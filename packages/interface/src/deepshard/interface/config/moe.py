@@ -10,11 +10,13 @@ model). Either one sets the ``ep`` axis of the Topology; if both do, they must a
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
 from deepshard.interface.config._base import ConfigModel, raw_problems_error
+from deepshard.interface.errors import ConfigError
 
 __all__ = ["ExpertParallelConfig", "MoeConfig"]
 
@@ -115,8 +117,19 @@ class ExpertParallelConfig(ConfigModel):
     combine_impl: Literal["auto", "weighted_sum", "fused_weighted_sum", "legacy_bmm"] = "auto"
     """How expert outputs are combined."""
 
-    comm_backend: Literal["comm"] = "comm"
-    """Token-dispatch backend; only DeepShard's all-to-all ("comm"), DeepEP is not carried."""
+    comm_backend: Literal["comm", "deepep"] = "comm"
+    """Token-dispatch backend: DeepShard's all-to-all ("comm"), or the DeepEP library ("deepep",
+    bf16 only; needs ``deep_ep`` importable and ``comm_max_tokens_per_rank > 0``)."""
+
+    comm_num_sm: int = Field(12, ge=1)
+    """DeepEP only: streaming multiprocessors its kernels may occupy."""
+
+    comm_qp_margin: int = Field(4, ge=0)
+    """DeepEP only: extra RDMA queue pairs reserved beyond the minimum."""
+
+    comm_max_tokens_per_rank: int = Field(0, ge=0)
+    """DeepEP only: most tokens one rank routes per step (micro-batch × padded sequence
+    length); sizes DeepEP's fixed buffers. 0 (the default) is refused with DeepEP."""
 
     num_expert_groups: int | None = Field(None, ge=1)
     """Group-limited routing: number of expert groups; None follows the model."""
@@ -161,3 +174,64 @@ class ExpertParallelConfig(ConfigModel):
     def ep_size(self) -> int:
         """The expert-parallel degree this section asks for (1 when disabled)."""
         return self.autoep_size if self.enabled else 1
+
+    @model_validator(mode="after")
+    def _combinations(self) -> ExpertParallelConfig:
+        problems = _combination_problems(self)
+        if problems:
+            raise raw_problems_error(problems)
+        return self
+
+    def check_num_experts(self, num_experts: int, *, layer: str = "") -> None:
+        """Checks the section against a MoE layer's expert count, once the model is known.
+
+        Args:
+            num_experts: Experts of the layer.
+            layer: The layer's module name, for the message.
+
+        Raises:
+            ConfigError: ``autoep_size`` or ``num_expert_groups`` does not divide the experts.
+        """
+        where = f" of {layer}" if layer else ""
+        problems = [
+            (
+                f"{self.config_key}.{key}",
+                f"{value} does not divide the {num_experts} experts{where}",
+            )
+            for key, value in (
+                ("autoep_size", self.ep_size),
+                ("num_expert_groups", self.num_expert_groups),
+            )
+            if value is not None and num_experts % value
+        ]
+        if problems:
+            raise ConfigError.from_problems(problems)
+
+
+def _combination_problems(section: ExpertParallelConfig) -> list[tuple[str, str]]:
+    """Settings of the `expert_parallel` section that cannot work together."""
+    problems: list[tuple[str, str]] = []
+    fused = section.combine_impl == "fused_weighted_sum"
+    deepep = section.comm_backend == "deepep"
+    if fused and section.score_apply == "pre":
+        message = "fused_weighted_sum applies the scores itself, so needs score_apply post or auto"
+        problems.append(("combine_impl", message))
+    if fused and section.expert_tensor_parallel_size > 1:
+        message = "fused_weighted_sum needs expert_tensor_parallel_size 1 (or another combine_impl)"
+        problems.append(("combine_impl", message))
+    if fused and deepep and section.autoep_size > 1:
+        message = 'DeepEP combines the rows itself; use comm_backend "comm" with fused_weighted_sum'
+        problems.append(("combine_impl", message))
+    if deepep and section.expert_tensor_parallel_size > 1:
+        message = 'DeepEP does not support expert tensor parallelism; use comm_backend "comm"'
+        problems.append(("comm_backend", message))
+    if deepep and section.comm_max_tokens_per_rank == 0:
+        message = "must be > 0 with DeepEP: the most tokens one rank routes (micro-batch × seq len)"
+        problems.append(("comm_max_tokens_per_rank", message))
+    if deepep and section.enabled and importlib.util.find_spec("deep_ep") is None:
+        message = 'DeepEP is not installed (no module deep_ep); install it or use "comm"'
+        problems.append(("comm_backend", message))
+    groups, limited = section.num_expert_groups, section.num_limited_groups
+    if groups is not None and limited is not None and limited > groups:
+        problems.append(("num_limited_groups", f"{limited} exceeds num_expert_groups {groups}"))
+    return problems

@@ -145,7 +145,12 @@ _IGNORED = (
     FeatureStatus(
         "tensor_parallel", "ignored", "AutoTP settings (AutoTP is planned)", "deepshard-autotp"
     ),
-    FeatureStatus("moe", "ignored", "MoE layer settings (no MoE layer yet)", "deepshard-autoep"),
+    FeatureStatus(
+        "moe",
+        "ignored",
+        "MoE layer settings (read by `deepshard.autoep.MoE.from_config`, not by `initialize`)",
+        "deepshard-autoep",
+    ),
     FeatureStatus(
         "moe.ep_size", "available", "the expert-parallel axis of the mesh", "deepshard-comm"
     ),

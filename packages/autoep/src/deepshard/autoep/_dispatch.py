@@ -3,9 +3,9 @@
 The algorithm, for ``T`` tokens each routed to ``K`` of ``E`` experts spread over ``ep`` ranks
 (``E / ep`` consecutive experts per rank):
 
-1. *Sort.* The ``[T·K]`` (token, choice) assignments are put in expert-contiguous order with a
-   *stable* sort of the expert ids, so rows of one expert keep their token order (the result
-   is then independent of the sort implementation). ``counts[e]`` rows go to expert ``e``.
+1. *Sort* (`sort_by_expert`, in `_combine`). The ``[T·K]`` (token, choice) assignments are put
+   in expert-contiguous order with a *stable* sort of the expert ids, so rows of one expert keep
+   their token order. ``counts[e]`` rows go to expert ``e``.
 2. *Counts.* One all-to-all of the ``[ep, E / ep]`` count table tells each rank how many rows
    it will receive from every source for every local expert; the row sums are the split sizes.
 3. *Dispatch.* A variable-split all-to-all sends the sorted rows (rows for rank ``j``'s experts
@@ -13,7 +13,8 @@ The algorithm, for ``T`` tokens each routed to ``K`` of ``E`` experts spread ove
    source, then by local expert; a second stable sort by local expert makes each local expert's
    rows contiguous for the grouped GEMM.
 4. *Combine.* The expert outputs are put back in received order and sent back with the split
-   sizes swapped; the caller undoes step 1 and sums the ``K`` weighted rows of each token.
+   sizes swapped; the caller undoes step 1 and sums the ``K`` weighted rows of each token
+   (`combine`).
 
 Both all-to-alls of rows are autograd all-to-alls: the backward of dispatch is the reverse
 exchange (combine) of the gradient and vice versa, so nothing here needs a custom backward.
@@ -33,26 +34,8 @@ __all__ = [
     "AllToAllTransport",
     "ExchangePlan",
     "LocalOrder",
-    "expert_sort",
     "local_expert_order",
 ]
-
-
-def expert_sort(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable order of the flattened ``[T, K]`` assignments by expert, and rows per expert.
-
-    Args:
-        expert_ids: ``[T, K]`` int64 chosen experts.
-        num_experts: ``E``, the global expert count.
-
-    Returns:
-        ``(order, counts)``: ``order[i]`` is the flat (token·K + choice) index of the ``i``-th
-        sorted row; ``counts`` is the ``[E]`` int64 histogram of the ids.
-    """
-    flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, counts
 
 
 @dataclass(frozen=True)

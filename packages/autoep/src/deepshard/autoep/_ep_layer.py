@@ -23,19 +23,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepshard.autoep._dispatch import AllToAllTransport, expert_sort, local_expert_order
+from deepshard.autoep._combine import CombineImpl, combine, sort_by_expert
+from deepshard.autoep._dispatch import AllToAllTransport, local_expert_order
 from deepshard.autoep._grouped_experts import GroupedExperts
 from deepshard.autoep._presets import RouterSettings
 from deepshard.autoep._router import Routing, route
 
-__all__ = ["ExpertParallelBlock", "inverse_permutation"]
-
-
-def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """``inv`` with ``inv[order[i]] == i``."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return inverse
+__all__ = ["ExpertParallelBlock"]
 
 
 class ExpertParallelBlock(nn.Module):
@@ -53,6 +47,7 @@ class ExpertParallelBlock(nn.Module):
             bias, or None.
         shared: ``(name, module)`` of the shared experts, or None.
         shared_gate: ``(name, module)`` of the shared experts' gate, or None.
+        combine_impl: How the routed rows are summed back into tokens (`combine`).
     """
 
     def __init__(
@@ -68,6 +63,7 @@ class ExpertParallelBlock(nn.Module):
         correction_bias_path: str | None = None,
         shared: tuple[str, nn.Module] | None = None,
         shared_gate: tuple[str, nn.Module] | None = None,
+        combine_impl: CombineImpl = "weighted_sum",
     ) -> None:
         super().__init__()
         self.add_module(router_name, router)
@@ -82,6 +78,7 @@ class ExpertParallelBlock(nn.Module):
         self.settings = settings
         self.transport = transport
         self.correction_bias_path = correction_bias_path
+        self.combine_impl: CombineImpl = combine_impl
 
     @property
     def local_experts(self) -> GroupedExperts:
@@ -116,16 +113,13 @@ class ExpertParallelBlock(nn.Module):
 
     def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The weighted sum of each token's routed experts, ``[T, H]`` (steps 3-4)."""
-        tokens, k = routing.expert_ids.shape
-        order, counts = expert_sort(routing.expert_ids, self.num_experts)
-        rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
-        received, received_counts, plan = self.transport.dispatch(rows, counts)
+        order = sort_by_expert(routing.expert_ids, self.num_experts)
+        rows = x.index_select(0, order.token_of_row)
+        received, received_counts, plan = self.transport.dispatch(rows, order.counts)
         local = local_expert_order(received_counts)
         out = self.local_experts(received.index_select(0, local.order), local.group_sizes)
         back = self.transport.combine(out.index_select(0, local.inverse), plan)
-        per_choice = back.index_select(0, inverse_permutation(order)).view(tokens, k, -1)
-        combined = (per_choice.float() * routing.weights.unsqueeze(-1)).sum(dim=1)
-        return combined.to(x.dtype)
+        return combine(back, routing.weights, order.index, impl=self.combine_impl)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [..., H]``, as the replaced block."""

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from deepshard.autoep._combine import CombineImpl
 from deepshard.autoep._dispatch import AllToAllTransport
 from deepshard.autoep._ep_layer import ExpertParallelBlock
 from deepshard.autoep._grouped_experts import GroupedExperts, aligned_expert_weight
@@ -58,9 +59,11 @@ def _dims_of(mesh_or_parallel_dims: DeviceMesh | ParallelDims) -> ParallelDims:
 
 
 def _section(config: ExpertParallelConfig | None, topology: Topology) -> ExpertParallelConfig:
-    if config is None:
-        return ExpertParallelConfig(enabled=True, autoep_size=topology.ep)
-    if config.enabled and config.autoep_size != topology.ep:
+    if config is None or not config.enabled:
+        # Calling parallelize_experts is the request; the mesh says the degree.
+        base = config or ExpertParallelConfig()
+        return base.model_copy(update={"enabled": True, "autoep_size": topology.ep})
+    if config.autoep_size != topology.ep:
         raise ConfigError(
             f"expert_parallel.autoep_size: {config.autoep_size} differs from the mesh's ep "
             f"axis {topology.ep}; build the mesh with Topology(ep={config.autoep_size}, ...)"
@@ -148,7 +151,7 @@ def _build_block(
     experts_module = getattr(block, preset.experts_attr)
     layout, gate_up, down, act_fn = _experts_layout(experts_module, name, config)
     num_experts, ep = _num_experts(layout, down), dims.topology.ep
-    _check_divides(num_experts, ep, name, config)
+    config.check_num_experts(num_experts, layer=name)
     rank = dims.coordinate["ep"]
     lo, hi = rank * num_experts // ep, (rank + 1) * num_experts // ep
     derive_gate_up, derive_down = _local_weights(layout, gate_up, down, lo, hi)
@@ -176,6 +179,7 @@ def _build_block(
         correction_bias_path=bias_path,
         shared=_child(block, preset.shared_attr),
         shared_gate=_child(block, preset.shared_gate_attr),
+        combine_impl=_combine_impl(config, new_down.device),
     )
     if bias_path is not None and "." not in bias_path:
         _move_tensor(block, new_block, bias_path)
@@ -195,14 +199,18 @@ def _build_block(
     return new_block, info, swaps
 
 
-def _check_divides(num_experts: int, ep: int, name: str, config: ExpertParallelConfig) -> None:
-    problems = [
-        (f"expert_parallel.{key}", f"{value} does not divide the {num_experts} experts of {name}")
-        for key, value in (("autoep_size", ep), ("num_expert_groups", config.num_expert_groups))
-        if value is not None and num_experts % value
-    ]
-    if problems:
-        raise ConfigError.from_problems(problems)
+def _combine_impl(config: ExpertParallelConfig, device: torch.device) -> CombineImpl:
+    """The combine to use: ``auto`` is the fused kernel on CUDA, the reference elsewhere."""
+    if config.score_apply == "pre":
+        raise ConfigError(
+            'expert_parallel.score_apply: "pre" (weights applied before the experts) is not '
+            'built; use "post" or "auto" (every supported model applies them after)'
+        )
+    if config.combine_impl in ("weighted_sum", "fused_weighted_sum"):
+        return config.combine_impl
+    if config.combine_impl == "legacy_bmm":
+        return "weighted_sum"  # DeepSpeed computes the same weighted sum as a batched matmul
+    return "fused_weighted_sum" if device.type == "cuda" else "weighted_sum"
 
 
 def _child(block: nn.Module, attr: str | None) -> tuple[str, nn.Module] | None:

@@ -91,7 +91,10 @@ def run_rank(job: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(100 + rank)
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=gen)
     models = {"hf-ddp": (ddp, lambda: None)}
-    models["deepshard-ep2"] = (ep_model, lambda: _reduce_ep_grads(ep_model, dims, report.placements))
+    models["deepshard-ep2"] = (
+        ep_model,
+        lambda: _reduce_ep_grads(ep_model, dims, report.placements),
+    )
     times: dict[str, list[float]] = {row: [] for row in ROWS}
     for step in range(spec["warmup"] + spec["steps"]):
         for row in ROWS if step % 2 == 0 else reversed(ROWS):

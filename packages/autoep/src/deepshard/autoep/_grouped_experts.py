@@ -139,6 +139,8 @@ class GroupedExperts(nn.Module):
             gate, up = F.linear(block, gate_up[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
         if not outputs:
-            # No rows: keep the weights in the graph so every rank's backward touches them.
-            return x.new_zeros(x.shape) + 0.0 * (gate_up.sum() + down.sum())
+            # No rows. The (empty) output must still depend on x and on the weights: otherwise
+            # this rank's backward skips the dispatch all-to-all that its peers run (a hang)
+            # and leaves the weights without a gradient.
+            return x * 0.0 + 0.0 * (gate_up.sum() + down.sum())
         return torch.cat(outputs)

@@ -1,6 +1,7 @@
 """AutoEP: tokens/s of forward + backward of a tiny Mixtral, DeepShard EP=2 vs HF under DDP.
 
     uv run --all-packages python tools/bench/autoep.py [--quick] [--steps 12] [--warmup 2]
+        [--hidden 128]
 
 Two CPU ranks over gloo train the same tiny ``MixtralForCausalLM`` (2 layers, hidden 128,
 intermediate 256, 8 experts, top-2, vocabulary 512; ``--quick``: hidden 64, 4 steps) on
@@ -48,11 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row first")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size (intermediate 2x)")
     return parser.parse_args(argv)
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
-    hidden = 64 if args.quick else 128
+    hidden = 64 if args.quick else args.hidden
     return {
         "vocab": 512,
         "hidden": hidden,

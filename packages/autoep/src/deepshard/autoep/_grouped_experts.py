@@ -133,11 +133,14 @@ class GroupedExperts(nn.Module):
         """The fallback: one pair of GEMMs per non-empty expert (host sync for the sizes)."""
         outputs = []
         blocks = torch.split(x, [int(s) for s in group_sizes.tolist()])
+        # unbind, not gate_up[e]: one backward stacking every expert's gradient instead of a
+        # zero-filled full-size gradient per indexed expert (a third of the step on CPU).
+        gate_ups, downs = gate_up.unbind(0), down.unbind(0)
         for expert, block in enumerate(blocks):
             if block.shape[0] == 0:
                 continue
-            gate, up = F.linear(block, gate_up[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
+            gate, up = F.linear(block, gate_ups[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, downs[expert]))
         if not outputs:
             # No rows. The (empty) output must still depend on x and on the weights: otherwise
             # this rank's backward skips the dispatch all-to-all that its peers run (a hang)

@@ -13,6 +13,7 @@ from deepshard.interface.errors import (
     LaunchError,
     TopologyError,
 )
+from deepshard.interface.expert_transport import ExpertTransport
 from deepshard.interface.params import FullGradientPath, ParamShapes
 from deepshard.interface.placement import (
     AxisPlacement,
@@ -34,6 +35,7 @@ __all__ = [
     "ConfigError",
     "DeepShardConfig",
     "DeepShardError",
+    "ExpertTransport",
     "FlatShard",
     "FullGradientPath",
     "LaunchError",

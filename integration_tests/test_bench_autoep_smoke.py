@@ -1,0 +1,54 @@
+"""`tools/bench/autoep.py --quick` runs end to end: both rows, and a ratio that follows from them.
+
+One smoke run (hidden 64, 8 experts, 1 warm-up + 4 timed steps per row on 2 gloo ranks). Both
+rows must report a positive step time and a tokens/s equal to tokens per step over it (to the
+printed rounding), and the ratio line must be their quotient with the verdict its target says.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is in the dev group only")
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "tools" / "bench" / "autoep.py"
+ROW = re.compile(r"^(?P<name>hf-ddp|deepshard-ep2)\s+(?P<ms>[\d.]+)\s+(?P<rate>\d+)$")
+TOKENS = re.compile(r"(?P<tokens>\d+) tokens/step")
+RATIO = re.compile(
+    r"^deepshard-ep2 / hf-ddp tokens/s: (?P<ratio>[\d.]+)x \(target >= (?P<target>[\d.]+)x\): "
+    r"(?P<verdict>MET|MISSED)$"
+)
+
+
+@pytest.mark.timeout(600)
+def test_both_rows_run_and_the_ratio_follows() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=560,
+        check=False,
+        cwd=BENCH.parent,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    lines = done.stdout.splitlines()
+    tokens_match = TOKENS.search(done.stdout)
+    assert tokens_match is not None, done.stdout
+    tokens = int(tokens_match["tokens"])
+    rows = {m["name"]: m for m in map(ROW.match, lines) if m}
+    assert sorted(rows) == ["deepshard-ep2", "hf-ddp"], done.stdout
+    for row in rows.values():
+        ms = float(row["ms"])
+        assert ms > 0
+        assert abs(int(row["rate"]) - tokens / (ms / 1e3)) <= 0.01 * int(row["rate"]) + 1
+    ratio = next(m for m in map(RATIO.match, lines) if m)
+    expected = int(rows["deepshard-ep2"]["rate"]) / int(rows["hf-ddp"]["rate"])
+    assert abs(float(ratio["ratio"]) - expected) <= 0.01 + 0.01 * expected
+    met = float(ratio["ratio"]) >= float(ratio["target"])
+    assert (ratio["verdict"] == "MET") == met

@@ -1,0 +1,134 @@
+"""The expert-parallel MoE block that replaces a Hugging Face one.
+
+Forward, for hidden states ``[B, S, H]`` (``T = B·S`` tokens):
+
+1. *Logits.* The block's own router module runs unchanged, so its output ``[0]`` (the logits)
+   is what transformers records for the auxiliary load-balancing loss
+   (``output_router_logits=True``), exactly as in the unreplaced model.
+2. *Routing.* `route` computes the top-k experts and weights in fp32 from those logits, with
+   the preset's knobs and the block's correction bias (DeepSeek-V3).
+3. *Experts.* Rows are sorted by expert, dispatched to the ranks owning their experts, run
+   through the local `GroupedExperts`, sent back and unsorted (`_dispatch`).
+4. *Combine.* Each token's ``K`` expert rows are summed with their weights in fp32.
+5. *Shared experts* (Qwen2/3.5-MoE, DeepSeek-V3) run on every token and are added, scaled by
+   the sigmoid of their gate where the model has one.
+
+Every child other than the experts (router, shared experts and their gate) is the original
+module object under its original name, so their parameter names, the optimizer's references to
+them and any hooks transformers installed on them are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepshard.autoep._combine import CombineImpl, combine, sort_by_expert
+from deepshard.autoep._dispatch import AllToAllTransport, local_expert_order
+from deepshard.autoep._grouped_experts import GroupedExperts
+from deepshard.autoep._presets import RouterSettings
+from deepshard.autoep._router import Routing, route
+
+__all__ = ["ExpertParallelBlock"]
+
+
+class ExpertParallelBlock(nn.Module):
+    """A MoE block whose ``E`` experts are spread over the ``ep`` ranks of a group.
+
+    Args:
+        router: The original router module; its output (or output ``[0]``) is the logits.
+        router_name: Its attribute name in the original block.
+        experts: This rank's experts, ``[lo, hi)`` of the global ids.
+        experts_name: The attribute name of the original experts container.
+        num_experts: ``E``, the global expert count.
+        settings: The routing knobs.
+        transport: The token exchange over the ``ep`` group.
+        correction_bias_path: Dotted path, relative to this block, of the score-correction
+            bias, or None.
+        shared: ``(name, module)`` of the shared experts, or None.
+        shared_gate: ``(name, module)`` of the shared experts' gate, or None.
+        combine_impl: How the routed rows are summed back into tokens (`combine`).
+    """
+
+    def __init__(
+        self,
+        *,
+        router: nn.Module,
+        router_name: str,
+        experts: GroupedExperts,
+        experts_name: str,
+        num_experts: int,
+        settings: RouterSettings,
+        transport: AllToAllTransport,
+        correction_bias_path: str | None = None,
+        shared: tuple[str, nn.Module] | None = None,
+        shared_gate: tuple[str, nn.Module] | None = None,
+        combine_impl: CombineImpl = "weighted_sum",
+    ) -> None:
+        super().__init__()
+        self.add_module(router_name, router)
+        self.add_module(experts_name, experts)
+        self._router_name, self._experts_name = router_name, experts_name
+        self._shared_name = shared[0] if shared else None
+        self._shared_gate_name = shared_gate[0] if shared_gate else None
+        for child in (shared, shared_gate):
+            if child is not None:
+                self.add_module(*child)
+        self.num_experts = num_experts
+        self.settings = settings
+        self.transport = transport
+        self.correction_bias_path = correction_bias_path
+        self.combine_impl: CombineImpl = combine_impl
+
+    @property
+    def local_experts(self) -> GroupedExperts:
+        """This rank's experts."""
+        experts = getattr(self, self._experts_name)
+        assert isinstance(experts, GroupedExperts)
+        return experts
+
+    def _correction_bias(self) -> torch.Tensor | None:
+        if self.correction_bias_path is None:
+            return None
+        owner_path, _, leaf = self.correction_bias_path.rpartition(".")
+        owner = self.get_submodule(owner_path) if owner_path else self
+        bias = getattr(owner, leaf)
+        assert isinstance(bias, torch.Tensor)
+        return bias
+
+    def _route(self, x: torch.Tensor) -> Routing:
+        out = getattr(self, self._router_name)(x)
+        logits = out[0] if isinstance(out, tuple) else out
+        s = self.settings
+        return route(
+            logits,
+            top_k=s.top_k,
+            score_func=s.score_func,
+            correction_bias=self._correction_bias(),
+            route_norm=s.route_norm,
+            route_scale=s.route_scale,
+            num_groups=s.num_groups,
+            limited_groups=s.limited_groups,
+        )
+
+    def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The weighted sum of each token's routed experts, ``[T, H]`` (steps 3-4)."""
+        order = sort_by_expert(routing.expert_ids, self.num_experts)
+        rows = x.index_select(0, order.token_of_row)
+        received, received_counts, plan = self.transport.dispatch(rows, order.counts)
+        local = local_expert_order(received_counts)
+        out = self.local_experts(received.index_select(0, local.order), local.group_sizes)
+        back = self.transport.combine(out.index_select(0, local.inverse), plan)
+        return combine(back, routing.weights, order.index, impl=self.combine_impl)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[..., H] -> [..., H]``, as the replaced block."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        out = self.routed(x, self._route(x))
+        if self._shared_name is not None:
+            shared = getattr(self, self._shared_name)(x)
+            if self._shared_gate_name is not None:
+                shared = torch.sigmoid(getattr(self, self._shared_gate_name)(x)) * shared
+            out = out + shared
+        return out.reshape(shape)

@@ -1,0 +1,149 @@
+"""The experts one rank owns, as stacked weights run with one grouped GEMM per projection.
+
+Each expert is a gated MLP ``down(act(x·gateᵀ) * (x·upᵀ))``, the layout of transformers 5:
+``gate_up_proj [E, 2I, H]`` (gate rows first, then up rows) and ``down_proj [E, H, I]``. The
+rows of all local experts arrive expert-contiguous (``group_sizes`` rows for each), so one
+``torch._grouped_mm`` per projection computes every expert at once where the device has the
+kernel (CUDA). Elsewhere (CPU, where its backward is not implemented for every case) a loop
+over the experts' row blocks runs the same products, skipping empty experts.
+
+``torch._grouped_mm`` needs every stride and the data pointer 16-byte aligned (v0.19.7 fixed
+crashes from unaligned expert slices). `aligned_expert_weight` copies a slice into fresh storage
+(allocations are at least 16-byte aligned) so that alignment never depends on which experts a
+rank was given; a shape whose rows cannot be aligned (an odd hidden size in bf16) falls back to
+the loop instead of failing.
+
+Expert-parallel gradients need one scale: a rank's experts receive the tokens of every rank of
+the ``ep`` group, so their local gradient already sums the losses of ``ep`` ranks (``ep·sp``
+where sequence parallelism splits tokens further), while the training loss is the mean over the
+dense data-parallel ranks. `GroupedExperts` multiplies its weights' gradient by ``grad_scale``
+(``expert_dp / dense_dp`` ranks) so that averaging over its placement's reduction group
+(``dp``) gives exactly the gradient of the mean loss, as for dense parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GroupedExperts", "aligned_expert_weight", "grouped_mm_usable"]
+
+_ALIGN_BYTES = 16
+
+
+def aligned_expert_weight(source: torch.Tensor, *, requires_grad: bool = True) -> nn.Parameter:
+    """A contiguous, 16-byte aligned copy of ``source`` as a new parameter."""
+    copy = torch.empty(source.shape, dtype=source.dtype, device=source.device)
+    copy.copy_(source.detach())
+    assert copy.data_ptr() % _ALIGN_BYTES == 0, "allocator returned unaligned storage"
+    return nn.Parameter(copy, requires_grad=requires_grad)
+
+
+def _strides_aligned(tensor: torch.Tensor) -> bool:
+    size = tensor.element_size()
+    return tensor.data_ptr() % _ALIGN_BYTES == 0 and all(
+        stride == 1 or (stride * size) % _ALIGN_BYTES == 0 for stride in tensor.stride()
+    )
+
+
+def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can run these operands (CUDA, aligned, 16-bit or fp32)."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type != "cuda":
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    # Every row of the activations and of each (transposed) weight must start 16-byte aligned.
+    return _strides_aligned(x) and all(_strides_aligned(w) for w in weights)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by a constant."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class GroupedExperts(nn.Module):
+    """A rank's ``E / ep`` gated-MLP experts, computed together.
+
+    Args:
+        gate_up_proj: ``[E_local, 2I, H]`` stacked gate and up projections.
+        down_proj: ``[E_local, H, I]`` stacked down projections.
+        act_fn: The gate activation (the model's, e.g. SiLU).
+        grad_scale: Multiplier of the weights' gradients (see the module docstring).
+        use_grouped_mm: Use ``torch._grouped_mm`` where `grouped_mm_usable` allows.
+    """
+
+    def __init__(
+        self,
+        gate_up_proj: nn.Parameter,
+        down_proj: nn.Parameter,
+        act_fn: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        grad_scale: float = 1.0,
+        use_grouped_mm: bool = True,
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self.act_fn = act_fn
+        self.grad_scale = grad_scale
+        self.use_grouped_mm = use_grouped_mm
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts this rank holds."""
+        return int(self.gate_up_proj.shape[0])
+
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """Run ``group_sizes[e]`` consecutive rows of ``x`` through local expert ``e``.
+
+        Args:
+            x: ``[N, H]`` rows, expert-contiguous.
+            group_sizes: ``[E_local]`` int64 rows per expert (``sum == N``).
+
+        Returns:
+            ``[N, H]`` expert outputs in the same row order.
+        """
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.grad_scale != 1.0:
+            gate_up = _ScaleGrad.apply(gate_up, self.grad_scale)
+            down = _ScaleGrad.apply(down, self.grad_scale)
+        gate_up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+        if self.use_grouped_mm and grouped_mm_usable(x, gate_up_t, down_t):
+            offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
+            hidden = torch._grouped_mm(x, gate_up_t, offs=offsets)
+            gate, up = hidden.chunk(2, dim=-1)
+            return torch._grouped_mm(self.act_fn(gate) * up, down_t, offs=offsets)
+        return self._looped(x, group_sizes, gate_up, down)
+
+    def _looped(
+        self, x: torch.Tensor, group_sizes: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    ) -> torch.Tensor:
+        """The fallback: one pair of GEMMs per non-empty expert (host sync for the sizes)."""
+        outputs = []
+        blocks = torch.split(x, [int(s) for s in group_sizes.tolist()])
+        # unbind, not gate_up[e]: one backward stacking every expert's gradient instead of a
+        # zero-filled full-size gradient per indexed expert (a third of the step on CPU).
+        gate_ups, downs = gate_up.unbind(0), down.unbind(0)
+        for expert, block in enumerate(blocks):
+            if block.shape[0] == 0:
+                continue
+            gate, up = F.linear(block, gate_ups[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, downs[expert]))
+        if not outputs:
+            # No rows. The (empty) output must still depend on x and on the weights: otherwise
+            # this rank's backward skips the dispatch all-to-all that its peers run (a hang)
+            # and leaves the weights without a gradient.
+            return x * 0.0 + 0.0 * (gate_up.sum() + down.sum())
+        return torch.cat(outputs)

@@ -1,0 +1,313 @@
+"""`parallelize_experts`: replace a model's MoE blocks with expert-parallel ones.
+
+For every block a preset recognises (`_presets`), in module order:
+
+1. the experts are read in either layout: transformers 5's fused 3-D parameters
+   (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) or a ``ModuleList`` of gated MLPs
+   (``gate_proj``/``up_proj``/``down_proj`` linears, or the names ``expert_w1``/``expert_w3``/
+   ``expert_w2`` give), which are stacked into the fused layout;
+2. this rank keeps experts ``[r·E/ep, (r+1)·E/ep)`` (``r`` its ``ep`` coordinate) as fresh,
+   16-byte aligned parameters; the full tensors are dropped;
+3. the score-correction bias (DeepSeek-V3's ``e_score_correction_bias``) is found wherever it
+   lives in the block; it is never copied: in a child it stays where it is, on the block it is
+   re-registered on the new block as the same object with the same kind (Parameter or
+   buffer) and persistence. Two candidates are refused, since either could be the one the
+   router reads;
+4. the block is swapped for an `ExpertParallelBlock` in its parent.
+
+Placements (interface) are then written for every parameter of the model: expert parameters
+``Shard(0)`` on ``ep`` with their global shape, reduced over ``dp``; all others replicated and
+reduced over ``dp × ep × sp``. Each expert parameter also gets its `ShardMap` over ``ep``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from deepshard.autoep._combine import CombineImpl
+from deepshard.autoep._dispatch import AllToAllTransport
+from deepshard.autoep._ep_layer import ExpertParallelBlock
+from deepshard.autoep._grouped_experts import GroupedExperts, aligned_expert_weight
+from deepshard.autoep._presets import MoePreset, find_preset, router_settings
+from deepshard.autoep._remap import remap_optimizer
+from deepshard.autoep._report import ParamSwap, ReplacedBlock, ReplacementReport
+from deepshard.comm import ParallelDims
+from deepshard.interface import ParamPlacement, PlacementRegistry, Shard, ShardMap, Topology
+from deepshard.interface.config.moe import ExpertParallelConfig
+from deepshard.interface.errors import ConfigError
+
+__all__ = ["parallelize_experts"]
+
+_BIAS_NAME = re.compile(r"(^|\.)e_score_correction_bias$")
+_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _dims_of(mesh_or_parallel_dims: DeviceMesh | ParallelDims) -> ParallelDims:
+    if isinstance(mesh_or_parallel_dims, ParallelDims):
+        return mesh_or_parallel_dims
+    if isinstance(mesh_or_parallel_dims, DeviceMesh):
+        return ParallelDims.from_mesh(mesh_or_parallel_dims)
+    raise ConfigError(
+        "parallelize_experts: pass the mesh from deepshard.comm.build_mesh(topology) or a "
+        f"deepshard.comm.ParallelDims, not {type(mesh_or_parallel_dims).__name__}"
+    )
+
+
+def _section(config: ExpertParallelConfig | None, topology: Topology) -> ExpertParallelConfig:
+    if config is None or not config.enabled:
+        # Calling parallelize_experts is the request; the mesh says the degree.
+        base = config or ExpertParallelConfig()
+        return base.model_copy(update={"enabled": True, "autoep_size": topology.ep})
+    if config.autoep_size != topology.ep:
+        raise ConfigError(
+            f"expert_parallel.autoep_size: {config.autoep_size} differs from the mesh's ep "
+            f"axis {topology.ep}; build the mesh with Topology(ep={config.autoep_size}, ...)"
+        )
+    return config
+
+
+def _correction_bias(block: nn.Module, name: str) -> str | None:
+    """The block-relative path of its score-correction bias (one candidate at most)."""
+    found = [n for n, _ in block.named_parameters() if _BIAS_NAME.search(n)]
+    found += [n for n, _ in block.named_buffers() if _BIAS_NAME.search(n)]
+    if len(found) > 1:
+        raise ConfigError(
+            f"{name}: {len(found)} score-correction biases {found}; the router reads one, so "
+            "remove the stale ones before parallelize_experts"
+        )
+    return found[0] if found else None
+
+
+def _mlp_names(config: ExpertParallelConfig) -> Sequence[tuple[str, str, str]]:
+    names = (config.expert_w1, config.expert_w3, config.expert_w2)
+    if not any(names):
+        return _MLP_NAMES
+    if not all(names):
+        raise ConfigError(
+            "expert_parallel.expert_w1/expert_w3/expert_w2: give all three linear names (gate, "
+            "up, down); experts without a gate projection are not supported"
+        )
+    return ((str(names[0]), str(names[1]), str(names[2])),)
+
+
+def _experts_layout(
+    experts: nn.Module, name: str, config: ExpertParallelConfig
+) -> tuple[str, list[nn.Parameter], list[nn.Parameter], Callable[..., torch.Tensor]]:
+    """``(layout, gate_up sources, down sources, act_fn)`` of an experts container."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3:
+        return "fused", [gate_up], [down], _act_fn(experts, name)
+    if isinstance(experts, nn.ModuleList) and len(experts) > 0:
+        for g, u, d in _mlp_names(config):
+            if all(isinstance(getattr(e, a, None), nn.Linear) for e in experts for a in (g, u, d)):
+                ups = [w for e in experts for w in (getattr(e, g).weight, getattr(e, u).weight)]
+                downs = [getattr(e, d).weight for e in experts]
+                return "module_list", ups, downs, _act_fn(experts[0], name)
+    raise ConfigError(
+        f"{name}: experts are neither fused 3-D gate_up_proj/down_proj parameters nor a "
+        "ModuleList of gated MLPs (gate_proj/up_proj/down_proj); set expert_parallel.expert_w1/"
+        "expert_w3/expert_w2 to the linear names"
+    )
+
+
+def _act_fn(module: nn.Module, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    act = getattr(module, "act_fn", None)
+    if not callable(act):
+        raise ConfigError(
+            f"{name}: the experts have no act_fn (the gate activation); give the expert module "
+            "an act_fn attribute (e.g. torch.nn.SiLU())"
+        )
+    return act  # type: ignore[no-any-return]
+
+
+def _local_weights(
+    layout: str, gate_up: list[nn.Parameter], down: list[nn.Parameter], lo: int, hi: int
+) -> tuple[Callable[[Sequence[torch.Tensor]], torch.Tensor], ...]:
+    """``derive`` functions building the local ``[hi-lo, ...]`` stacks from the sources."""
+    if layout == "fused":
+        return (lambda ts: ts[0][lo:hi], lambda ts: ts[0][lo:hi])
+
+    def stack_gate_up(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([torch.cat([ts[2 * e], ts[2 * e + 1]]) for e in range(lo, hi)])
+
+    def stack_down(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([ts[e] for e in range(lo, hi)])
+
+    return (stack_gate_up, stack_down)
+
+
+def _num_experts(layout: str, down: list[nn.Parameter]) -> int:
+    return int(down[0].shape[0]) if layout == "fused" else len(down)
+
+
+def _build_block(
+    block: nn.Module, name: str, preset: MoePreset, config: ExpertParallelConfig, dims: ParallelDims
+) -> tuple[ExpertParallelBlock, ReplacedBlock, list[tuple[str, ParamSwap]]]:
+    experts_module = getattr(block, preset.experts_attr)
+    layout, gate_up, down, act_fn = _experts_layout(experts_module, name, config)
+    num_experts, ep = _num_experts(layout, down), dims.topology.ep
+    config.check_num_experts(num_experts, layer=name)
+    rank = dims.coordinate["ep"]
+    lo, hi = rank * num_experts // ep, (rank + 1) * num_experts // ep
+    derive_gate_up, derive_down = _local_weights(layout, gate_up, down, lo, hi)
+    with torch.no_grad():
+        new_gate_up = aligned_expert_weight(
+            derive_gate_up([p.detach() for p in gate_up]), requires_grad=gate_up[0].requires_grad
+        )
+        new_down = aligned_expert_weight(
+            derive_down([p.detach() for p in down]), requires_grad=down[0].requires_grad
+        )
+    grad_scale = dims.topology.dp / dims.topology.dense_dp_size  # see _grouped_experts
+    experts = GroupedExperts(
+        new_gate_up, new_down, act_fn, grad_scale=grad_scale, use_grouped_mm=config.use_grouped_mm
+    )
+    bias_path = _correction_bias(block, name)
+    router = getattr(block, preset.router_attr)
+    new_block = ExpertParallelBlock(
+        router=router,
+        router_name=preset.router_attr,
+        experts=experts,
+        experts_name=preset.experts_attr,
+        num_experts=num_experts,
+        settings=router_settings(router, preset, config),
+        transport=AllToAllTransport(dims.ep),
+        correction_bias_path=bias_path,
+        shared=_child(block, preset.shared_attr),
+        shared_gate=_child(block, preset.shared_gate_attr),
+        combine_impl=_combine_impl(config, new_down.device),
+    )
+    if bias_path is not None and "." not in bias_path:
+        _move_tensor(block, new_block, bias_path)
+    prefix = f"{name}.{preset.experts_attr}"
+    swaps = [
+        (
+            f"{prefix}.gate_up_proj",
+            ParamSwap(f"{prefix}.gate_up_proj", new_gate_up, tuple(gate_up), derive_gate_up),
+        ),
+        (
+            f"{prefix}.down_proj",
+            ParamSwap(f"{prefix}.down_proj", new_down, tuple(down), derive_down),
+        ),
+    ]
+    bias_fqn = f"{name}.{bias_path}" if bias_path else None
+    info = ReplacedBlock(name, preset.name, num_experts, (lo, hi), layout, bias_fqn)
+    return new_block, info, swaps
+
+
+def _combine_impl(config: ExpertParallelConfig, device: torch.device) -> CombineImpl:
+    """The combine to use: ``auto`` is the fused kernel on CUDA, the reference elsewhere."""
+    if config.score_apply == "pre":
+        raise ConfigError(
+            'expert_parallel.score_apply: "pre" (weights applied before the experts) is not '
+            'built; use "post" or "auto" (every supported model applies them after)'
+        )
+    if config.combine_impl in ("weighted_sum", "fused_weighted_sum"):
+        return config.combine_impl
+    if config.combine_impl == "legacy_bmm":
+        return "weighted_sum"  # DeepSpeed computes the same weighted sum as a batched matmul
+    return "fused_weighted_sum" if device.type == "cuda" else "weighted_sum"
+
+
+def _child(block: nn.Module, attr: str | None) -> tuple[str, nn.Module] | None:
+    module = getattr(block, attr, None) if attr else None
+    return (attr, module) if isinstance(module, nn.Module) and attr else None
+
+
+def _move_tensor(old: nn.Module, new: nn.Module, name: str) -> None:
+    """Re-registers ``old.<name>`` on ``new``: same object, kind and persistence."""
+    value = getattr(old, name)
+    if isinstance(value, nn.Parameter):
+        new.register_parameter(name, value)
+    else:
+        persistent = name not in old._non_persistent_buffers_set
+        new.register_buffer(name, value, persistent=persistent)
+
+
+def _placements(
+    model: nn.Module,
+    dims: ParallelDims,
+    swaps: Sequence[ParamSwap],
+    blocks: Sequence[ReplacedBlock],
+) -> tuple[PlacementRegistry, dict[str, ShardMap]]:
+    topology, ep = dims.topology, dims.topology.ep
+    registry = PlacementRegistry.replicated(model.named_parameters(), topology)
+    maps: dict[str, ShardMap] = {}
+    for swap in swaps:
+        global_shape = (swap.new.shape[0] * ep, *swap.new.shape[1:])
+        dtype = str(swap.new.dtype).removeprefix("torch.")
+        placement = ParamPlacement.replicated(
+            global_shape, dtype, reduce_over=Topology.expert_dp_axes
+        ).with_axis("ep", Shard(0))
+        registry.set(swap.name, placement)
+        split = ShardMap.contiguous_split(
+            global_shape, dtype, dim=0, sizes=[int(swap.new.shape[0])] * ep
+        )
+        maps[swap.name] = ShardMap(split.global_shape, dtype, split.pieces, axes=("ep",))
+    return registry, maps
+
+
+def parallelize_experts(
+    model: nn.Module,
+    mesh_or_parallel_dims: DeviceMesh | ParallelDims,
+    config: ExpertParallelConfig | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> ReplacementReport:
+    """Replace every recognised MoE block of ``model`` with an expert-parallel one (in place).
+
+    Every rank of the mesh calls it the same way (it may create the mesh's derived groups).
+
+    Args:
+        model: A Hugging Face MoE model (Mixtral, Qwen2/3/3.5-MoE, DeepSeek-V3) or any model
+            whose blocks a preset recognises.
+        mesh_or_parallel_dims: The mesh from `deepshard.comm.build_mesh`, or its
+            `ParallelDims`; the experts are spread over its ``ep`` axis.
+        config: The ``expert_parallel`` section; by default enabled with the mesh's ``ep``.
+        optimizer: An optimizer built on the unreplaced model, remapped in place
+            (`remap_optimizer`).
+
+    Returns:
+        The `ReplacementReport`: replaced blocks, placements, expert shard maps, swaps.
+
+    Raises:
+        ConfigError: No MoE block was found, ``autoep_size`` disagrees with the mesh or does not
+            divide a block's experts, a block has two correction biases, or its experts have
+            an unknown layout.
+    """
+    dims = _dims_of(mesh_or_parallel_dims)
+    section = _section(config, dims.topology)
+    pattern = re.compile(section.moe_layer_pattern) if section.moe_layer_pattern else None
+    targets = [
+        (name, module, preset)
+        for name, module in model.named_modules()
+        if (pattern is None or pattern.search(name))
+        and (preset := find_preset(module, section)) is not None
+    ]
+    if not targets:
+        raise ConfigError(
+            f"expert_parallel: no MoE block found in {type(model).__name__}; presets: "
+            "mixtral, qwen3_moe, qwen2_moe, deepseek_v3 (set expert_parallel.preset_model and "
+            "moe_layer_pattern for other models)"
+        )
+    blocks, swaps = [], []
+    for name, module, preset in targets:
+        if not name:
+            raise ConfigError(
+                "parallelize_experts: the model is itself a MoE block; pass the model that "
+                "contains it (the block is replaced in its parent)"
+            )
+        new_block, info, block_swaps = _build_block(module, name, preset, section, dims)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new_block)
+        blocks.append(info)
+        swaps += [s for _, s in block_swaps]
+    registry, maps = _placements(model, dims, swaps, blocks)
+    report = ReplacementReport(tuple(blocks), registry, maps, tuple(swaps))
+    if optimizer is not None:
+        remap_optimizer(optimizer, report)
+    return report

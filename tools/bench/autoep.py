@@ -1,0 +1,119 @@
+"""AutoEP: tokens/s of forward + backward of a tiny Mixtral, DeepShard EP=2 vs HF under DDP.
+
+    uv run --all-packages python tools/bench/autoep.py [--quick] [--steps 12] [--warmup 2]
+        [--hidden 128]
+
+Two CPU ranks over gloo train the same tiny ``MixtralForCausalLM`` (2 layers, hidden 128,
+intermediate 256, 8 experts, top-2, vocabulary 512; ``--quick``: hidden 64, 4 steps) on
+``batch × seq`` tokens per rank, in one run with the rows interleaved step by step (see
+`_autoep_worker`): ``hf-ddp`` (transformers' experts loop, every rank holding all experts,
+DDP's all-reduce) and ``deepshard-ep2`` (`parallelize_experts`, 4 experts per rank, all-to-all
+dispatch). Reported: the median step time, tokens/s over both ranks, and the ratio
+``deepshard-ep2 / hf-ddp``; target >= 1.2x, MET or MISSED.
+
+DeepSpeed AutoEP is not measured: this bench does not drive DeepSpeed's engine (issue 17
+reports that v0.19.7's AutoEP crashes on transformers 5.x; that was not re-checked here), so the
+Hugging Face row is the only baseline.
+
+Exit status: 0 when both rows ran (a missed target included), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("DEEPSHARD_ACCELERATOR", "cpu")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import _autoep_worker
+
+WORLD = 2
+TARGET = 1.2
+TIMEOUT_S = 900.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; ``--quick`` is the smoke size."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, 4 timed steps")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row first")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size (intermediate 2x)")
+    return parser.parse_args(argv)
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    hidden = 64 if args.quick else args.hidden
+    return {
+        "vocab": 512,
+        "hidden": hidden,
+        "intermediate": 2 * hidden,
+        "layers": 2,
+        "experts": 8,
+        "batch": args.batch,
+        "seq": 32 if args.quick else args.seq,
+        "steps": 4 if args.quick else args.steps,
+        "warmup": 1 if args.quick else args.warmup,
+    }
+
+
+def _run(spec: dict[str, Any], folder: Path) -> dict[str, Any] | None:
+    ctx = multiprocessing.get_context("forkserver")
+    out = folder / "rank0.json"
+    jobs = [
+        {"rank": r, "world": WORLD, "store": str(folder / "store"), "spec": spec, "out": str(out)}
+        for r in range(WORLD)
+    ]
+    processes = [ctx.Process(target=_autoep_worker.run_rank, args=(job,)) for job in jobs]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(TIMEOUT_S)
+    failed = [p for p in processes if p.exitcode != 0]
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    if failed or not out.exists():
+        print(f"a rank failed (exit codes {[p.exitcode for p in processes]})", file=sys.stderr)
+        return None
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both rows once, interleaved, and print the table and the verdict."""
+    args = parse_args(argv)
+    spec = _spec(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = _run(spec, Path(tmp))
+    if result is None:
+        return 1
+    tokens = result["tokens_per_step"]
+    print(f"tiny Mixtral, 8 experts top-2, hidden {spec['hidden']}, {tokens} tokens/step, 2 ranks")
+    print(f"{'row':<16}{'median step (ms)':>18}{'tokens/s':>12}")
+    rate = {}
+    for row in _autoep_worker.ROWS:
+        median = statistics.median(result["times"][row])
+        rate[row] = tokens / median
+        print(f"{row:<16}{median * 1e3:>18.2f}{rate[row]:>12.0f}")
+    ratio = rate["deepshard-ep2"] / rate["hf-ddp"]
+    verdict = "MET" if ratio >= TARGET else "MISSED"
+    print(f"deepshard-ep2 / hf-ddp tokens/s: {ratio:.2f}x (target >= {TARGET}x): {verdict}")
+    print("deepspeed AutoEP: not measured (see the module docstring)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    raise SystemExit(main())

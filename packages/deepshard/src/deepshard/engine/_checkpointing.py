@@ -222,7 +222,9 @@ class EngineCheckpointing:
                 if key in like and key not in result.missing
             }
             zero.load_state_shards(filled)
-        if not load_module_only:
+        if not load_module_only and "imported_from" in meta["metadata"]:
+            _engine_json.restore_imported(self, saved)
+        elif not load_module_only:
             _engine_json.restore(self, saved, optimizer=with_optimizer,
                                  scheduler=load_lr_scheduler_states)  # fmt: skip
             rows = {k.removeprefix(RNG_PREFIX): like[k].local for k in streams}

@@ -132,17 +132,19 @@ def test_a_prepared_first_background_save_copies_into_the_prepared_buffers(
     state = {"w": torch.randn(64, 33), "step": torch.tensor(3)}
     prepared = prepare_async_save(state)
     assert prepared.wait(timeout_s=60) == Path()
-    pointers = [b.data_ptr() for b in prepared._host_buffers]
+    pointers = {k: b.data_ptr() for k, b in prepared._host_buffers.items()}
     saved = state["w"].clone()
     handle = save(state, tmp_path, tag="a", async_save=True, after=prepared)
-    assert [b.data_ptr() for b in handle._host_buffers] == pointers
+    assert {k: b.data_ptr() for k, b in handle._host_buffers.items()} == pointers
     state["w"].add_(1.0)  # training goes on: the snapshot keeps the values at save time
     handle.wait()
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     load(tmp_path, target, tag="a")
     assert torch.equal(target["w"], saved) and int(target["step"]) == 3
-    other = prepare_async_save({"w": torch.zeros(2)})  # a state of another shape
+    other = prepare_async_save({"w": torch.zeros(2), "step": torch.tensor(0)})  # "w" changed
+    step_buffer = other.wait() and other._host_buffers["step"].data_ptr()
     again = save(state, tmp_path, tag="b", async_save=True, after=other)
-    assert again.wait() == tmp_path / "b"  # fresh buffers instead, same result
+    assert again._host_buffers["step"].data_ptr() == step_buffer
+    assert again.wait() == tmp_path / "b"  # a fresh buffer for "w", same result
     load(tmp_path, target, tag="b")
     assert torch.equal(target["w"], state["w"])

@@ -28,40 +28,33 @@ from deepshard.comm import Group
 __all__ = ["prepare_async_save", "snapshot"]
 
 
-def _allocate(plan: RankPlan) -> list[torch.Tensor]:
-    """One host buffer per entry, pinned when its source is on a CUDA device."""
-    return [
-        torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-        for _, t in plan.entries
-    ]
+def _host_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A host buffer for ``tensor``, pinned when it is on a CUDA device (a faster transfer)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
 
 
-def _matches(buffers: list[torch.Tensor], entries: list[tuple[str, torch.Tensor]]) -> bool:
-    return len(buffers) == len(entries) and all(
-        b.shape == t.shape and b.dtype == t.dtype
-        for b, (_, t) in zip(buffers, entries, strict=True)
-    )
-
-
-def snapshot(plan: RankPlan, *, copy: bool, reuse: list[torch.Tensor]) -> RankPlan:
+def snapshot(plan: RankPlan, *, copy: bool, reuse: Mapping[str, torch.Tensor]) -> RankPlan:
     """The plan with its tensors as contiguous CPU memory, copied if ``copy`` (background).
 
-    A copy goes into ``reuse`` (a previous background save's buffers, or `prepare_async_save`'s)
-    when they match the entries one for one, else into fresh buffers; either way one copy per
-    tensor.
+    Each entry is copied into the buffer of the same key in ``reuse`` (a previous background
+    save's buffers, or `prepare_async_save`'s) when its shape and dtype match, else into a
+    fresh one; either way one copy per tensor.
     """
     if not copy and all(t.device.type == "cpu" and t.is_contiguous() for _, t in plan.entries):
         return plan
-    if not copy or not _matches(reuse, plan.entries):
-        reuse = _allocate(plan)
-    entries = [(k, buffer.copy_(t)) for (k, t), buffer in zip(plan.entries, reuse, strict=True)]
+    entries = []
+    for key, tensor in plan.entries:
+        buffer = reuse.get(key) if copy else None
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = _host_like(tensor)
+        entries.append((key, buffer.copy_(tensor)))
     return RankPlan(entries, plan.pieces, plan.shapes)
 
 
 def _fill(plan: RankPlan, handle: SaveHandle) -> None:
     try:
-        buffers = _allocate(plan)
-        for buffer in buffers:
+        buffers = {key: _host_like(tensor) for key, tensor in plan.entries}
+        for buffer in buffers.values():
             buffer.view(-1).view(torch.uint8).zero_()  # touch every page now, not in save()
         handle._host_buffers = buffers
     except BaseException as exc:
@@ -75,10 +68,10 @@ def prepare_async_save(
 ) -> SaveHandle:
     """Get a background save's host buffers ready on a helper thread; returns at once.
 
-    Pass the returned handle as ``after=`` to the first ``save(..., async_save=True)`` of a
-    state with the same tensors (shapes and dtypes; the values do not matter): that save then
-    only copies, as later saves given the previous handle do. If the state has changed shape
-    by then, the save allocates fresh buffers as it would have without this call. The buffers
+    Pass the returned handle as ``after=`` to the first ``save(..., async_save=True)``: each
+    tensor of that save with the key, shape and dtype of one here (the values do not matter)
+    is only copied, as later saves given the previous handle are; any other (a new key, a
+    changed shape) gets a fresh buffer, as without this call. The buffers
     hold one copy of this rank's share of the state until the save that takes them finishes.
 
     Args:

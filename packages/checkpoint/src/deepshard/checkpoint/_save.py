@@ -292,7 +292,7 @@ def save(
     Raises:
         CheckpointError: Bad state, tag or metadata, or a failure on any rank.
     """
-    reuse: list[torch.Tensor] = []
+    reuse: dict[str, torch.Tensor] = {}
     if after is not None:
         after.wait()
         reuse = after._take_buffers()
@@ -323,7 +323,7 @@ def save(
     )
     handle = SaveHandle(root / tag)
     if async_save:
-        handle._host_buffers = [t for _, t in plan.entries]
+        handle._host_buffers = dict(plan.entries)
         atexit.register(handle._wait_at_exit)
         threading.Thread(
             target=_in_background, args=(job, handle), name="deepshard-checkpoint-save", daemon=True

@@ -15,6 +15,7 @@ runs through the page cache.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -157,4 +158,6 @@ class FileSink:
             self._fd = -1
         if not self._buffer.closed:
             self._view.release()
-            self._buffer.close()
+            # A view still alive (in an error's traceback) keeps the mapping until it goes.
+            with contextlib.suppress(BufferError):
+                self._buffer.close()

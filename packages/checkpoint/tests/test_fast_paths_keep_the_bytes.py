@@ -49,7 +49,7 @@ def test_file_sink_writes_and_consumes_every_byte_in_order(
     tmp_path: Path, threaded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pieces = [os.urandom(n) for n in (10, 3 * ALIGN + 7, 9 * ALIGN - 5, 1, ALIGN, 123)]
-    hashers = HashThreads(1) if threaded else None
+    hashers = HashThreads(2) if threaded else None
     try:
         _sink_round_trip(tmp_path / "direct", pieces, hashers)
         refused = []

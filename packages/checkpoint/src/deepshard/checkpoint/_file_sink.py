@@ -5,9 +5,10 @@ then waits for the kernel to write those pages back: on the machines measured (a
 disk) that is 1.5-2x the time of writing the same bytes with ``O_DIRECT``, which moves them
 from user memory to the device and leaves nothing to flush. ``O_DIRECT`` wants the memory,
 the file offset and the length aligned (`ALIGN`), which tensor storage is not, so the sink
-copies the stream into one page-aligned bounce buffer (``mmap``) and writes it whenever it is
-full; each written piece is handed to ``consume`` (the block hasher) on a helper thread while
-this thread writes it, so every byte is hashed exactly once, in file order. The last, partial
+copies the stream into page-aligned bounce buffers (``mmap``, two of them): when one is full, a
+helper thread writes it and another hands it to ``consume`` (the block hasher) while the
+caller fills the other, so every byte is hashed exactly once, in file order, and the copy,
+the hash and the write overlap. The last, partial
 piece is written zero-padded to `ALIGN` and the file is then truncated to its real length.
 Where ``O_DIRECT`` is missing or refused (tmpfs, some network filesystems, macOS) the same code
 runs through the page cache.
@@ -52,7 +53,8 @@ class FileSink:
         path: The file to create (it must not exist).
         buffer_bytes: Size of the bounce buffer and so of each write (a multiple of `ALIGN`).
         consume: Called with every written piece, in order (it must not keep the view).
-        hashers: Run ``consume`` on a helper thread while the piece is written (else inline).
+        hashers: At least two helper threads: ``consume`` and the write of a full buffer run
+            on them while the next buffer is filled (else everything runs inline).
     """
 
     def __init__(
@@ -66,8 +68,12 @@ class FileSink:
         if buffer_bytes % ALIGN:
             raise ValueError(f"buffer_bytes={buffer_bytes} is not a multiple of {ALIGN}")
         self._fd, self.direct = _open_new(path)
-        self._buffer = mmap.mmap(-1, buffer_bytes)  # page-aligned, as O_DIRECT needs
-        self._view = memoryview(self._buffer)
+        # Two page-aligned buffers (O_DIRECT needs the alignment): one is filled while the
+        # other is hashed and written.
+        self._buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(2)]
+        self._views = [memoryview(buffer) for buffer in self._buffers]
+        self._current = 0
+        self._in_flight: Callable[[], None] | None = None
         self._filled = 0
         self._consume = consume
         self._hashers = hashers
@@ -82,6 +88,10 @@ class FileSink:
     ) -> None:
         self._release()
 
+    @property
+    def _view(self) -> memoryview:
+        return self._views[self._current]
+
     def write(self, data: memoryview | bytes) -> None:
         """Append ``data`` (copied into the bounce buffer; written when it fills up)."""
         view = memoryview(data).cast("B")
@@ -93,7 +103,7 @@ class FileSink:
             self.size += take
             view = view[take:]
             if self._filled == capacity:
-                self._emit(capacity, capacity)
+                self._emit(capacity, capacity, overlap=True)
 
     def push(self) -> None:
         """Write out all but the last, unaligned few bytes held (so the file is partial)."""
@@ -116,23 +126,33 @@ class FileSink:
             self._release()
         return self.size
 
-    def _emit(self, length: int, write_length: int) -> None:
-        """Consume ``length`` held bytes and write ``write_length`` (>= length, padded) of them."""
-        piece = self._view[:length]
+    def _emit(self, length: int, write_length: int, *, overlap: bool = False) -> None:
+        """Consume ``length`` held bytes and write ``write_length`` (>= length, padded) of them.
+
+        With ``overlap`` (a full buffer) and hash threads, the hash and the write run on two of
+        them while the caller fills the other buffer; else this returns when both are done.
+        """
+        self._settle()  # the previous buffer first: the file is written in order
+        piece, padded = self._view[:length], self._view[:write_length]
         if self._hashers is None:
             self._consume(piece)
-            self._write_all(self._view[:write_length])
+            self._write_all(padded)
         else:
-            wait = self._hashers.start([(self._consume, piece)])
-            try:
-                self._write_all(self._view[:write_length])
-            finally:
-                wait()  # the helper reads the buffer: it must finish before it is refilled
-        piece.release()
+            wait = self._hashers.start([(self._consume, piece), (self._write_all, padded)])
+            if overlap:
+                self._in_flight, self._current, self._filled = wait, self._current ^ 1, 0
+                return
+            wait()
         rest = self._filled - length
         if rest:  # a push() leaves fewer than ALIGN bytes: move them to the front
             self._view[:rest] = bytes(self._view[length : self._filled])
         self._filled = rest
+
+    def _settle(self) -> None:
+        """Wait for the other buffer's hash and write (re-raising their error)."""
+        if self._in_flight is not None:
+            wait, self._in_flight = self._in_flight, None
+            wait()
 
     def _write_all(self, data: memoryview) -> None:
         while len(data):
@@ -153,11 +173,15 @@ class FileSink:
         self.direct = False
 
     def _release(self) -> None:
+        if self._in_flight is not None:  # failing already: only stop the helpers reading
+            with contextlib.suppress(Exception):
+                self._settle()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if not self._buffer.closed:
-            self._view.release()
-            # A view still alive (in an error's traceback) keeps the mapping until it goes.
-            with contextlib.suppress(BufferError):
-                self._buffer.close()
+        for buffer, view in zip(self._buffers, self._views, strict=True):
+            if not buffer.closed:
+                view.release()
+                # A view still alive (in an error's traceback) keeps the mapping until it goes.
+                with contextlib.suppress(BufferError):
+                    buffer.close()

@@ -318,7 +318,7 @@ def save(
         keep_last,
         hooks,
         timeout_s,
-        HashThreads(1),  # started here: the writer may run while the interpreter exits
+        HashThreads(2),  # hash and write; started here: a writer may outlive interpreter exit
         max_file_bytes,
     )
     handle = SaveHandle(root / tag)

@@ -99,7 +99,8 @@ def _tags_and_async(mesh: Any, root: str) -> dict[str, Any]:
         if step == 0:  # ... and that save copied into them instead of fresh memory
             used = background._pending_save._host_buffers
             out["reused"] = [k for k in pointers if used[k].data_ptr() == pointers[k]]
-            out["prepared_keys"] = sorted(pointers)
+            # (An RNG row whose serialised size changed gets a fresh, small buffer.)
+            out["prepared_keys"] = sorted(k for k in pointers if not k.startswith("rng/"))
         saved.append(_weights(background))
         _step(background, 10 + step)  # training goes on while the save is written
     background.load_checkpoint(f"{root}/async")  # waits for its own last save first
@@ -139,7 +140,8 @@ def test_tag_validation_async_keep_last_and_refusals(tmp_path: Path) -> None:
         assert "client_state/opts/fn" in out["bad_client"]
         assert out["async_equal"] and Path(out["async_path"]).name == "global_step5"
         assert out["async_tags"] == ["global_step3", "global_step5"]
-        assert out["prepared"] and out["reused"] == out["prepared_keys"] != []
+        assert out["prepared"] and out["prepared_keys"]
+        assert set(out["prepared_keys"]) <= set(out["reused"])  # weights and moments: all
     assert not (tmp_path / "ck" / "fail").exists() or not list_tags(tmp_path / "ck" / "fail")
     assert any("differs across ranks" in m for m in per_rank[0]["warned"])
 

@@ -129,6 +129,7 @@ def best(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "async_blocking_s",
         "async_total_s",
         "async_steady_blocking_s",
+        "async_prepared_blocking_s",
     ):
         if key in row:
             row[key] = min(r[key] for r in rounds)
@@ -188,6 +189,13 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
                 "deepshard later async saves (after=, buffers reused) / sync: blocking ratio "
                 f"{_verdict(ratio, ASYNC_TARGET, 'time')} "
                 f"(blocked {row['async_steady_blocking_s']:.3f} s)"
+            )
+        if "async_prepared_blocking_s" in row:
+            ratio = row["async_prepared_blocking_s"] / row["save_s"]
+            lines.append(
+                "deepshard first async save after prepare_async_save / sync: blocking ratio "
+                f"{_verdict(ratio, ASYNC_TARGET, 'time')} "
+                f"(blocked {row['async_prepared_blocking_s']:.3f} s)"
             )
     return lines
 

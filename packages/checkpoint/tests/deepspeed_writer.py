@@ -1,6 +1,7 @@
 """One rank of a DeepSpeed 0.19.7 training run that writes a checkpoint (test helper, a script).
 
     python deepspeed_writer.py STAGE OUT_DIR STORE_FILE RANK WORLD [--universal-info]
+        [--continue M]
 
 Trains `model()` for `STEPS` AdamW steps at ZeRO ``STAGE`` on DeepSpeed's CPU accelerator over
 gloo, calls ``engine.save_checkpoint(OUT_DIR)``, and rank 0 writes
@@ -8,6 +9,10 @@ gloo, calls ``engine.save_checkpoint(OUT_DIR)``, and rank 0 writes
 DeepSpeed's own live-engine API returns them
 (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``), the independent reference the
 import is compared with, plus ``OUT_DIR/reference.json`` (losses, the Adam step, the steps run).
+With ``--continue M`` the run then trains ``M`` more steps (inputs ``batch(STEPS + i, rank)``),
+and each rank writes its losses of those steps to ``OUT_DIR/continued-<rank>.json`` and rank 0
+the final fp32 masters to ``OUT_DIR/continued.safetensors``: what a resume from the checkpoint
+must reproduce.
 
 The world is joined through a FileStore (no ports). DeepSpeed's CPU backend would JIT-build its
 shared-memory all-reduce op on every start (about a minute on a loaded box); the op only speeds
@@ -20,6 +25,7 @@ import json
 import os
 import sys
 from datetime import timedelta
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -73,6 +79,25 @@ def config(stage: int) -> dict[str, object]:
     }
 
 
+def _continue(engine: Any, steps: int, out: str, rank: int) -> None:
+    """Train ``steps`` more steps after the save; record the losses and final masters."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    from safetensors.torch import save_file
+
+    losses = []
+    for step in range(STEPS, STEPS + steps):
+        loss = loss_of(engine(batch(step, rank)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with open(f"{out}/continued-{rank}.json", "w") as handle:
+        json.dump(losses, handle)
+    # Collective at stage 3: every rank calls, rank 0 keeps.
+    final = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in final.items()}, f"{out}/continued.safetensors")
+
+
 def main(argv: list[str]) -> None:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -109,6 +134,8 @@ def main(argv: list[str]) -> None:
         reference[f"param.{name}"] = safe_get_full_fp32_param(param).clone()
         for key in ("exp_avg", "exp_avg_sq"):
             reference[f"{key}.{name}"] = safe_get_full_optimizer_state(param, key).clone()
+    if "--continue" in argv:
+        _continue(engine, int(argv[argv.index("--continue") + 1]), out, rank)
     if rank == 0:
         save_file({k: v.contiguous() for k, v in reference.items()}, f"{out}/reference.safetensors")
         summary = {"losses": losses, "steps": STEPS, "stage": stage, "world": world}

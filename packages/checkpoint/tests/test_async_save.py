@@ -116,13 +116,13 @@ def test_process_exit_waits_for_the_save(tmp_path: Path) -> None:
 def test_the_next_background_save_reuses_the_snapshot_buffers(tmp_path: Path) -> None:
     state = _state()
     first = save(state, tmp_path, tag="a", async_save=True)
-    buffers = [t.data_ptr() for t in first._host_buffers]
+    buffers = [t.data_ptr() for t in first._host_buffers.values()]
     assert len(buffers) == 2 and not set(buffers) & {v.data_ptr() for v in state.values()}
     expected = {"a": state["w"].clone()}
     state["w"].add_(1.0)  # training goes on: the snapshot, not the live tensor, is written
     expected["b"] = state["w"].clone()
     second = save(state, tmp_path, tag="b", async_save=True, after=first)
-    assert [t.data_ptr() for t in second._host_buffers] == buffers
+    assert [t.data_ptr() for t in second._host_buffers.values()] == buffers
     state["w"].add_(1.0)
     second.wait()
     for tag, values in expected.items():
@@ -130,5 +130,5 @@ def test_the_next_background_save_reuses_the_snapshot_buffers(tmp_path: Path) ->
         load(tmp_path, target, tag=tag)
         assert torch.equal(target["w"], values), tag
     third = save({"other": torch.ones(3)}, tmp_path, tag="c", async_save=True, after=second)
-    assert [t.data_ptr() for t in third._host_buffers] != buffers  # shapes differ: fresh ones
+    assert [t.data_ptr() for t in third._host_buffers.values()] != buffers  # other keys: fresh
     third.wait()

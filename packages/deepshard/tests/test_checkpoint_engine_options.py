@@ -3,7 +3,8 @@
 * ``tag_validation``: ``FAIL`` refuses tags that differ across ranks (on every rank, before
   anything is written); ``WARN`` logs it and saves under rank 0's tag.
 * ``async_save`` with ``keep_last: 2``: three saves while training continues leave the last two
-  tags; loading the newest waits for it and gives the weights it was saved with.
+  tags; loading the newest waits for it and gives the weights it was saved with; the first
+  save copies into the host buffers the engine readied after its first optimizer step.
 * A load without ``latest`` and without a tag lists the tags present; a ``client_state`` value
   that is neither JSON nor a tensor is refused by its key path.
 * ZeRO stage 3 with a frozen layer: ``exclude_frozen_parameters`` leaves it out of the files, a
@@ -90,7 +91,16 @@ def _tags_and_async(mesh: Any, root: str) -> dict[str, Any]:
     saved = []
     for step in range(3):
         _step(background, step)
+        if step == 0:  # the first optimizer step readied the first save's host buffers
+            prepared = background._pending_save
+            out["prepared"] = prepared is not None and prepared.wait() == Path()
+            pointers = {k: b.data_ptr() for k, b in prepared._host_buffers.items()}
         background.save_checkpoint(f"{root}/async")
+        if step == 0:  # ... and that save copied into them instead of fresh memory
+            used = background._pending_save._host_buffers
+            out["reused"] = [k for k in pointers if used[k].data_ptr() == pointers[k]]
+            # (An RNG row whose serialised size changed gets a fresh, small buffer.)
+            out["prepared_keys"] = sorted(k for k in pointers if not k.startswith("rng/"))
         saved.append(_weights(background))
         _step(background, 10 + step)  # training goes on while the save is written
     background.load_checkpoint(f"{root}/async")  # waits for its own last save first
@@ -130,6 +140,8 @@ def test_tag_validation_async_keep_last_and_refusals(tmp_path: Path) -> None:
         assert "client_state/opts/fn" in out["bad_client"]
         assert out["async_equal"] and Path(out["async_path"]).name == "global_step5"
         assert out["async_tags"] == ["global_step3", "global_step5"]
+        assert out["prepared"] and out["prepared_keys"]
+        assert set(out["prepared_keys"]) <= set(out["reused"])  # weights and moments: all
     assert not (tmp_path / "ck" / "fail").exists() or not list_tags(tmp_path / "ck" / "fail")
     assert any("differs across ranks" in m for m in per_rank[0]["warned"])
 

@@ -5,7 +5,8 @@
 `deepshard.interface.ShardMap`), collectively over a process group; ``load(dir, like=state)``
 fills such a dict in place from a checkpoint saved with any layout and world size, each rank
 reading only the bytes it keeps. Nothing is ever unpickled. ``load_state_dict_from_checkpoint``
-consolidates a checkpoint in one process; ``verify`` checks its checksums and coverage.
+consolidates a checkpoint in one process; ``verify`` checks its checksums and coverage;
+``prepare_async_save`` readies a first background save's host buffers ahead of time.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from deepshard.checkpoint._client_state import join_client_state, split_client_state
     from deepshard.checkpoint._handle import SaveHandle
+    from deepshard.checkpoint._host_buffers import prepare_async_save
     from deepshard.checkpoint._layout import list_tags, read_metadata
     from deepshard.checkpoint._load import load, load_state_dict_from_checkpoint
     from deepshard.checkpoint._offline import save_resharded
@@ -43,6 +45,7 @@ _HOMES = {
     "list_tags": "_layout",
     "load": "_load",
     "load_state_dict_from_checkpoint": "_load",
+    "prepare_async_save": "_host_buffers",
     "read_metadata": "_layout",
     "save": "_save",
     "save_resharded": "_offline",
@@ -76,6 +79,7 @@ __all__ = [
     "list_tags",
     "load",
     "load_state_dict_from_checkpoint",
+    "prepare_async_save",
     "read_metadata",
     "save",
     "save_resharded",

@@ -22,9 +22,17 @@ import torch
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, bytes_of
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["Region", "block_runs", "read_regions", "stream_block_digests", "view_of"]
+__all__ = [
+    "Region",
+    "block_runs",
+    "read_regions",
+    "stream_block_digests",
+    "verify_blocks",
+    "view_of",
+]
 
 _READ_BYTES = 4 * BLOCK_BYTES  # one readinto: large enough for the disk's sequential speed
+_RING = 3  # reused block buffers of `verify_blocks`: one being read, two being hashed
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,60 @@ def read_regions(
         if expected is None or index >= len(expected) or future.result() != expected[index]:
             raise _mismatch(path, index)
     return regions
+
+
+def verify_blocks(
+    path: Path,
+    blocks: set[int],
+    size: int,
+    expected: Sequence[str],
+    pool: ThreadPoolExecutor,
+) -> None:
+    """Check ``blocks`` of ``path`` against ``expected`` without keeping them.
+
+    Each block is read into one of a few reused buffers (no fresh memory to page-fault) and
+    hashed on ``pool`` while the next one is read. Used when the caller then reads the bytes
+    again straight into their destination: that second read is served by the page cache this
+    one filled.
+
+    Raises:
+        CheckpointError: A block is short, unreadable or does not match its digest.
+    """
+    ring = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in range(min(_RING, len(blocks)))]
+    views = [bytes_of(buffer) for buffer in ring]
+    hashing: list[tuple[int, Future[str]] | None] = [None] * len(ring)
+
+    def settle(slot: int) -> None:
+        pending = hashing[slot]
+        if pending is not None:
+            index, future = pending
+            if index >= len(expected) or future.result() != expected[index]:
+                raise _mismatch(path, index)
+            hashing[slot] = None
+
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            for count, index in enumerate(sorted(blocks)):
+                slot = count % len(ring)
+                settle(slot)  # its buffer is about to be overwritten
+                start = index * BLOCK_BYTES
+                view = views[slot][: max(0, min(BLOCK_BYTES, size - start))]
+                handle.seek(start)
+                done = 0
+                while done < len(view):
+                    got = handle.readinto(view[done:])
+                    if not got:
+                        raise CheckpointError(f"{path} ended at byte {start + done}: truncated")
+                    done += got
+                hashing[slot] = (index, pool.submit(_digest, view))
+            for slot in range(len(ring)):
+                settle(slot)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
+    finally:
+        for pending in hashing:  # do not free a buffer a hash thread still reads
+            if pending is not None:
+                pending[1].exception()
 
 
 def stream_block_digests(path: Path) -> list[str]:

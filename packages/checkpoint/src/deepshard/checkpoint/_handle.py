@@ -28,7 +28,7 @@ class SaveHandle:
         """The tag directory the save publishes."""
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._host_buffers: list[torch.Tensor] = []
+        self._host_buffers: dict[str, torch.Tensor] = {}
         # The host snapshot of a background save: the next background save that waits for
         # this one (``after=``) copies into these instead of allocating (and page-faulting)
         # fresh memory every time.
@@ -54,9 +54,9 @@ class SaveHandle:
             raise CheckpointError(f"saving {self.path} failed: {self._error!r}") from self._error
         return self.path
 
-    def _take_buffers(self) -> list[torch.Tensor]:
-        """The host snapshot buffers, handed over once (call only after `wait`)."""
-        buffers, self._host_buffers = self._host_buffers, []
+    def _take_buffers(self) -> dict[str, torch.Tensor]:
+        """The host snapshot buffers by key, handed over once (call only after `wait`)."""
+        buffers, self._host_buffers = self._host_buffers, {}
         return buffers
 
     def _finish(self, error: BaseException | None) -> None:

@@ -1,12 +1,18 @@
 """``load`` into live shards (resharding on the fly) and consolidated loading in one process.
 
 A load first checks the files: every rank checks the size of every file, plans its copies,
-and reads the 16 MiB blocks holding the bytes it will use into host buffers, in large
-sequential reads, hashing each block as it arrives against the per-block SHA-256 the save
-recorded (`_block_read`), so it verifies exactly what it uses without reading the rest; then
-the ranks agree that all checks passed before anything is written into the caller's tensors.
-Filling is `_reshard`'s copies from views of those buffers (no second read of the file). A
-final exchange makes an error on one rank an error on all of them.
+and checks the 16 MiB blocks holding the bytes it will use against the per-block SHA-256 the
+save recorded, reading each once and hashing it on a thread pool while the next is read
+(`_block_read`), so it verifies exactly what it uses without reading the rest; then the ranks
+agree that all checks passed before anything is written into the caller's tensors. Filling
+then has two paths. A copy that is a plain byte range into CPU storage of the saved dtype (the
+common case, resharded or not) is read straight into the destination with ``preadv``: the
+check streamed its blocks through a few reused buffers and left them in the page cache, so
+this second read costs a memory copy, and no host buffer of the checkpoint's size is ever
+allocated (fresh memory costs a page fault per 4 KiB, as much as the disk read on the
+machines measured). Every other copy (a scale, a dtype cast, an accelerator destination) reads
+its blocks into host buffers during the check and is filled by `_reshard` from views of them.
+A final exchange makes an error on one rank an error on all of them.
 """
 
 from __future__ import annotations
@@ -14,17 +20,23 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from deepshard.checkpoint._block_read import Region, read_regions, stream_block_digests, view_of
+from deepshard.checkpoint._block_read import (
+    Region,
+    read_regions,
+    stream_block_digests,
+    verify_blocks,
+    view_of,
+)
+from deepshard.checkpoint._direct_fill import FillTask, fill_direct, split_direct
 from deepshard.checkpoint._exchange import Members, all_gather_json, members_of
 from deepshard.checkpoint._handle import SaveHandle
 from deepshard.checkpoint._layout import METADATA, read_metadata, resolve_tag_dir, tag_dir_of
-from deepshard.checkpoint._reshard import Copy, apply_copies, plan_copies, source_ranges
+from deepshard.checkpoint._reshard import apply_copies, plan_copies, source_ranges
 from deepshard.checkpoint._safetensors_io import (
     BLOCK_BYTES,
     digest_of_blocks,
@@ -87,7 +99,7 @@ class _Reader:
         self.regions = regions
         self.headers: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}
 
-    def reader(self, task: _Task) -> Any:
+    def reader(self, task: FillTask) -> Any:
         def read(rank: int, start: int, stop: int) -> torch.Tensor:
             file = task.files.get(str(rank))
             if file is None:
@@ -134,23 +146,9 @@ def _keys(
     return missing, unexpected
 
 
-@dataclass(frozen=True)
-class _Task:
-    """The copies filling one tensor of ``like``."""
-
-    name: str
-    dest: torch.Tensor
-    copies: list[Copy]
-    files: dict[str, str]
-    dtype: torch.dtype
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per saved element."""
-        return self.dtype.itemsize
-
-
-def _plan(meta: Mapping[str, Any], items: list[tuple[str, StateValue]], rank: int) -> list[_Task]:
+def _plan(
+    meta: Mapping[str, Any], items: list[tuple[str, StateValue]], rank: int
+) -> list[FillTask]:
     tasks = []
     for name, value in items:
         entry = meta["tensors"].get(name)
@@ -159,11 +157,11 @@ def _plan(meta: Mapping[str, Any], items: list[tuple[str, StateValue]], rank: in
         dest, target, target_rank, linear = _target(name, value, rank)
         saved = ShardMap.from_json(entry["shard_map"])
         copies = plan_copies(name, saved, target, target_rank, linear)
-        tasks.append(_Task(name, dest, copies, dict(entry["files"]), torch_dtype(saved.dtype)))
+        tasks.append(FillTask(name, dest, copies, dict(entry["files"]), torch_dtype(saved.dtype)))
     return tasks
 
 
-def _needed_blocks(tag_dir: Path, tasks: list[_Task]) -> dict[str, set[int]]:
+def _needed_blocks(tag_dir: Path, tasks: list[FillTask]) -> dict[str, set[int]]:
     """The hashed blocks of each file holding bytes the ``tasks`` read (their bounding ranges)."""
     headers: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}
     needed: dict[str, set[int]] = {}
@@ -185,30 +183,64 @@ def _needed_blocks(tag_dir: Path, tasks: list[_Task]) -> dict[str, set[int]]:
     return needed
 
 
+def _expected_digests(
+    tag_dir: Path, meta: Mapping[str, Any], file: str, *, verify: bool
+) -> list[str] | None:
+    """The block digests to check ``file`` against (``None``: nothing to check block-wise)."""
+    expected = meta["files"][file]
+    digests: list[str] | None = expected.get("block_sha256") if verify else None
+    if verify and digests is None:  # an early format-1 file without block digests
+        check_file(tag_dir / file, expected, checksum=True, version=1)
+    elif (
+        digests is not None
+        and int(meta["format_version"]) >= 2
+        and digest_of_blocks(digests) != expected["sha256"]
+    ):
+        raise CheckpointError(
+            f"{tag_dir / METADATA}: the block digests of {file} do not match its "
+            "sha256: the metadata was modified; restore it or load another tag"
+        )
+    return digests
+
+
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), "deepshard-checkpoint-verify")
+
+
 def _read_needed(
     tag_dir: Path, meta: Mapping[str, Any], needed: dict[str, set[int]], *, verify: bool
 ) -> dict[str, list[Region]]:
     """The needed blocks of every file, read and (with ``verify``) checked against the metadata."""
     out: dict[str, list[Region]] = {}
-    version = int(meta["format_version"])
-    workers = max(1, min(4, os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers, "deepshard-checkpoint-verify") as pool:
+    with _pool() as pool:
         for file, blocks in sorted(needed.items()):
-            expected = meta["files"][file]
-            digests: list[str] | None = expected.get("block_sha256") if verify else None
-            if verify and digests is None:  # an early format-1 file without block digests
-                check_file(tag_dir / file, expected, checksum=True, version=1)
-            elif (
-                digests is not None
-                and version >= 2
-                and digest_of_blocks(digests) != expected["sha256"]
-            ):
-                raise CheckpointError(
-                    f"{tag_dir / METADATA}: the block digests of {file} do not match its "
-                    "sha256: the metadata was modified; restore it or load another tag"
-                )
-            out[file] = read_regions(tag_dir / file, blocks, int(expected["size"]), digests, pool)
+            digests = _expected_digests(tag_dir, meta, file, verify=verify)
+            size = int(meta["files"][file]["size"])
+            out[file] = read_regions(tag_dir / file, blocks, size, digests, pool)
     return out
+
+
+def _verify_needed(tag_dir: Path, meta: Mapping[str, Any], needed: dict[str, set[int]]) -> None:
+    """Check the needed blocks of every file against the metadata, keeping none of them."""
+    with _pool() as pool:
+        for file, blocks in sorted(needed.items()):
+            digests = _expected_digests(tag_dir, meta, file, verify=True)
+            if digests is not None and blocks:
+                size = int(meta["files"][file]["size"])
+                verify_blocks(tag_dir / file, blocks, size, digests, pool)
+
+
+def _prepare(
+    tag_dir: Path, meta: Mapping[str, Any], tasks: list[FillTask], *, verify: bool
+) -> tuple[list[FillTask], list[FillTask], dict[str, list[Region]]]:
+    """Check what ``tasks`` read; return the direct tasks, the buffered ones and their data."""
+    direct, buffered = split_direct(tasks)
+    in_buffers = _needed_blocks(tag_dir, buffered)
+    regions = _read_needed(tag_dir, meta, in_buffers, verify=verify)
+    needed = _needed_blocks(tag_dir, direct)  # also checks that every entry is in its file
+    if verify:
+        _verify_needed(tag_dir, meta, {f: b - in_buffers.get(f, set()) for f, b in needed.items()})
+    return direct, buffered, regions
 
 
 def _check_files(tag_dir: Path, meta: Mapping[str, Any], *, checksum: bool) -> None:
@@ -217,7 +249,7 @@ def _check_files(tag_dir: Path, meta: Mapping[str, Any], *, checksum: bool) -> N
         check_file(tag_dir / file, expected, checksum=checksum, version=version)
 
 
-def _apply(tag_dir: Path, tasks: list[_Task], regions: Mapping[str, list[Region]]) -> int:
+def _apply(tag_dir: Path, tasks: list[FillTask], regions: Mapping[str, list[Region]]) -> int:
     """Perform the tasks' copies from ``regions``; return the number of tensor bytes read."""
     bytes_read = 0
     reader = _Reader(tag_dir, regions)
@@ -283,16 +315,16 @@ def load(
         found["meta"] = read_metadata(found["dir"])
         found["keys"] = _keys(found["meta"], [n for n, _ in items], strict)
         _check_files(found["dir"], found["meta"], checksum=False)
-        found["tasks"] = _plan(found["meta"], items, members.rank)
-        needed = _needed_blocks(found["dir"], found["tasks"])
-        found["regions"] = _read_needed(
-            found["dir"], found["meta"], needed, verify=verify_checksums
+        tasks = _plan(found["meta"], items, members.rank)
+        found["direct"], found["buffered"], found["regions"] = _prepare(
+            found["dir"], found["meta"], tasks, verify=verify_checksums
         )
 
     _agree(members, _attempt(check), "the checkpoint checks", timeout_s)
 
     def fill() -> None:
-        found["read"] = _apply(found["dir"], found["tasks"], found.pop("regions"))
+        found["read"] = _apply(found["dir"], found["buffered"], found.pop("regions"))
+        found["read"] += fill_direct(found["dir"], found["direct"])
 
     _agree(members, _attempt(fill), "the end of loading", timeout_s)
     missing, unexpected = found["keys"]
@@ -318,6 +350,7 @@ def load_state_dict_from_checkpoint(
         smap = entry["shard_map"]
         out[name] = torch.empty(tuple(smap["global_shape"]), dtype=torch_dtype(smap["dtype"]))
     tasks = _plan(meta, list(out.items()), 0)
-    needed = {f: set(range(-(-int(e["size"]) // BLOCK_BYTES))) for f, e in meta["files"].items()}
-    _apply(tag_dir, tasks, _read_needed(tag_dir, meta, needed, verify=verify_checksums))
+    direct, buffered, regions = _prepare(tag_dir, meta, tasks, verify=verify_checksums)
+    _apply(tag_dir, buffered, regions)
+    fill_direct(tag_dir, direct)
     return out

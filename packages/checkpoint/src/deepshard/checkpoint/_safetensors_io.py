@@ -3,10 +3,11 @@
 A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's
 dtype, shape and ``[begin, end)`` byte offsets into the data section; padded with spaces to a
 multiple of 8 bytes) and the tensors' raw bytes. Writing it here rather than through
-``safetensors.torch.save_file`` lets the writer stream each tensor straight from its memory
-(no second copy of the whole file in RAM), hash the bytes in the same pass that writes them
-(one SHA-256 per `BLOCK_BYTES` block, on a helper thread, so every byte is hashed once), fsync
-it, and tell the save hooks when it is half written. The file's own digest is the SHA-256 of
+``safetensors.torch.save_file`` lets the writer stream each tensor from its memory through one
+16 MiB aligned buffer (no second copy of the whole file in RAM; ``O_DIRECT`` where allowed,
+`_file_sink`), hash the bytes in the same pass that writes them (one SHA-256 per `BLOCK_BYTES`
+block, on a helper thread, so every byte is hashed once), fsync it, and tell the save hooks
+when it is half written. The file's own digest is the SHA-256 of
 its block digests (`digest_of_blocks`), so no second whole-file hash is needed; a reader
 verifies exactly the blocks it reads (`_block_read`).
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from deepshard.checkpoint._file_sink import FileSink
 from deepshard.checkpoint._hash_threads import HashThreads
 from deepshard.interface.errors import CheckpointError
 
@@ -162,14 +163,14 @@ def write_safetensors(
 ) -> FileDigest:
     """Write CPU, contiguous ``entries`` to ``path``, fsync it, and return its digests.
 
-    With ``hashers``, a helper thread hashes each chunk into its blocks while this thread
-    writes it (hashlib and file writes release the GIL, so the two overlap); every byte is
-    read from memory once per consumer: one hash, one write.
+    The bytes go through a `FileSink` (aligned ``O_DIRECT`` writes where the filesystem
+    allows). With ``hashers``, a helper thread hashes each written piece into its blocks while
+    this thread writes it (hashlib and file writes release the GIL, so the two overlap).
 
     Args:
         path: The file to create (it must not exist).
         entries: ``(key, tensor)`` pairs in file order.
-        halfway: Called once when half of the data is written (a save hook).
+        halfway: Called once when half of the data is in the file (a save hook).
         hashers: `HashThreads` to hash on (else hashing runs on this thread).
     """
     for name, tensor in entries:
@@ -178,24 +179,17 @@ def write_safetensors(
     header = _header(entries)
     total = sum(t.numel() * t.element_size() for _, t in entries)
     blocks = _BlockHasher()
-    with open(path, "xb") as handle:
-        head = struct.pack("<Q", len(header)) + header
-        for chunk in (head, *_chunks(entries, total // 2 if halfway is not None else -1)):
+    with FileSink(path, buffer_bytes=_CHUNK, consume=blocks.feed, hashers=hashers) as sink:
+        sink.write(struct.pack("<Q", len(header)) + header)
+        for chunk in _chunks(entries, total // 2 if halfway is not None else -1):
             if chunk is None:
-                handle.flush()
+                sink.push()  # the file on disk is now genuinely partial
                 halfway()  # type: ignore[misc]  # chunks are None only when halfway is set
                 continue
-            if hashers is None:
-                blocks.feed(chunk)
-                handle.write(chunk)
-                continue
-            wait = hashers.start([(blocks.feed, chunk)])
-            handle.write(chunk)
-            wait()
-        handle.flush()
-        os.fsync(handle.fileno())
+            sink.write(chunk)
+        size = sink.close()
     digests = tuple(blocks.finish())
-    return FileDigest(digest_of_blocks(digests), len(head) + total, digests)
+    return FileDigest(digest_of_blocks(digests), size, digests)
 
 
 def sha256_of(path: Path) -> FileDigest:

@@ -35,6 +35,7 @@ from deepshard.checkpoint import _publish
 from deepshard.checkpoint._exchange import Members, all_gather_json, members_of
 from deepshard.checkpoint._handle import SaveHandle
 from deepshard.checkpoint._hash_threads import HashThreads
+from deepshard.checkpoint._host_buffers import snapshot
 from deepshard.checkpoint._layout import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -279,7 +280,8 @@ def save(
             the one ``latest`` names).
         async_save: Copy the shards to host memory and write them on a background thread.
         hooks: Told of each `SavePoint` (crash-injection tests).
-        after: A previous background save to wait for first; its error is raised here.
+        after: A previous background save to wait for first; its error is raised here. A
+            background save reuses its host buffers (or `prepare_async_save`'s).
         timeout_s: Longest wait for the other ranks at any step.
         max_file_bytes: Split each rank's data into files of at most this many bytes (an
             entry larger than that gets a file of its own); one file per rank when ``None``.
@@ -290,7 +292,7 @@ def save(
     Raises:
         CheckpointError: Bad state, tag or metadata, or a failure on any rank.
     """
-    reuse: list[torch.Tensor] = []
+    reuse: dict[str, torch.Tensor] = {}
     if after is not None:
         after.wait()
         reuse = after._take_buffers()
@@ -304,7 +306,7 @@ def save(
     members = members_of(group)
     root = Path(save_dir)
     tmp_dir = _start(root, tag, members, timeout_s)
-    plan = _snapshot(plan_rank(items, members.rank), copy=async_save, reuse=reuse)
+    plan = snapshot(plan_rank(items, members.rank), copy=async_save, reuse=reuse)
     job = _Job(
         members,
         root,
@@ -316,12 +318,12 @@ def save(
         keep_last,
         hooks,
         timeout_s,
-        HashThreads(1),  # started here: the writer may run while the interpreter exits
+        HashThreads(2),  # hash and write; started here: a writer may outlive interpreter exit
         max_file_bytes,
     )
     handle = SaveHandle(root / tag)
     if async_save:
-        handle._host_buffers = [t for _, t in plan.entries]
+        handle._host_buffers = dict(plan.entries)
         atexit.register(handle._wait_at_exit)
         threading.Thread(
             target=_in_background, args=(job, handle), name="deepshard-checkpoint-save", daemon=True
@@ -329,31 +331,6 @@ def save(
         return handle
     _run_and_agree(job, handle)
     return handle
-
-
-def _snapshot(plan: RankPlan, *, copy: bool, reuse: list[torch.Tensor]) -> RankPlan:
-    """The plan with its tensors as contiguous CPU memory, copied if ``copy`` (background).
-
-    A copy goes into ``reuse`` (the previous background save's buffers) when they match the
-    entries one for one, else into fresh buffers, pinned when the source is on a CUDA device
-    (a faster transfer); either way one copy per tensor.
-    """
-    if not copy and all(t.device.type == "cpu" and t.is_contiguous() for _, t in plan.entries):
-        return plan
-    if not copy or not _matches(reuse, plan.entries):
-        reuse = [
-            torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-            for _, t in plan.entries
-        ]
-    entries = [(k, buffer.copy_(t)) for (k, t), buffer in zip(plan.entries, reuse, strict=True)]
-    return RankPlan(entries, plan.pieces, plan.shapes)
-
-
-def _matches(buffers: list[torch.Tensor], entries: list[tuple[str, torch.Tensor]]) -> bool:
-    return len(buffers) == len(entries) and all(
-        b.shape == t.shape and b.dtype == t.dtype
-        for b, (_, t) in zip(buffers, entries, strict=True)
-    )
 
 
 def _run_and_agree(job: _Job, handle: SaveHandle) -> None:

@@ -28,6 +28,7 @@ from deepshard.checkpoint import (
     SaveHandle,
     join_client_state,
     load,
+    prepare_async_save,
     read_metadata,
     save,
     split_client_state,
@@ -57,6 +58,7 @@ class EngineCheckpointing:
     device: torch.device
     training_dataloader: Any
     _pending_save: SaveHandle | None
+    _save_prepared: bool
 
     @property
     def _ckpt_group(self) -> dist.ProcessGroup | None:
@@ -109,6 +111,23 @@ class EngineCheckpointing:
         broadcast(length, group_src=0, group=group)
         broadcast(payload, group_src=0, group=group)
         return bytes(payload[: int(length)].cpu().tolist()).decode()
+
+    def _prepare_background_save(self) -> None:
+        """With ``checkpoint.async_save``, ready a first save's host buffers on a helper thread.
+
+        Called after each applied optimizer step; acts once, after the first (the optimizer
+        state exists from then on). The first background save then only copies into them,
+        instead of blocking on fresh memory's page faults (`prepare_async_save`).
+        """
+        if self._save_prepared or not self.parts.config.checkpoint.async_save:
+            return
+        self._save_prepared = True
+        if self._pending_save is None:  # else a save ran already and left its buffers
+            rank, world = self._rank_and_size()
+            tensors = ck.engine_tensors(self.module, self.optimizer)
+            state: dict[str, Any] = {**tensors.module, **tensors.optimizer}
+            state.update(ck.rng_tensors(capture_rng(self.device.type), rank, world))
+            self._pending_save = prepare_async_save(state, group=self._ckpt_group)
 
     def _wait_for_save(self) -> None:
         if self._pending_save is not None:
@@ -226,7 +245,9 @@ class EngineCheckpointing:
                 if key in like and key not in result.missing
             }
             zero.load_state_shards(filled)
-        if not load_module_only:
+        if not load_module_only and "imported_from" in meta["metadata"]:
+            _engine_json.restore_imported(self, saved)
+        elif not load_module_only:
             _engine_json.restore(self, saved, optimizer=with_optimizer,
                                  scheduler=load_lr_scheduler_states)  # fmt: skip
             rows = {k.removeprefix(RNG_PREFIX): like[k].local for k in streams}

@@ -164,6 +164,7 @@ class DeepShardEngine(
         self.training_dataloader: Any = None  # `initialize` sets the loader it built
         self._pending_save = None  # a background checkpoint save (checkpoint.async_save)
         self._tp_inputs = TpInputCheck(parts.dims, parts.device)
+        self._save_prepared = False  # its host buffers were readied (after the first step)
         self._declare_boundary()
 
     def __getattr__(self, name: str) -> Any:
@@ -264,6 +265,8 @@ class DeepShardEngine(
                 self._grad_norm = result.grad_norm
                 if self._step_applied and self.lr_scheduler is not None:
                     self.lr_scheduler.step()
+            if self._step_applied:
+                self._prepare_background_save()
         self.accumulation.advance(applied=self._step_applied)
         self._declare_boundary()
         if boundary:

@@ -11,6 +11,10 @@ Saved under the metadata's ``"engine"`` key by `engine_metadata` and put back by
   load at another world size keeps the same share of the epoch's permutation);
 * ``config``, ``topology``, ``zero_stage`` and ``world_size``: for reading, not for loading;
 * ``client_state``: the JSON part of the caller's ``client_state``.
+
+A checkpoint ``ds-checkpoint import-deepspeed`` wrote has only DeepSpeed's counters there
+(``global_steps``, ``global_samples``, ``skipped_steps``) and each param group's names;
+`restore_imported` puts back the counters and leaves the rest as the config built it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from deepshard.interface.errors import CheckpointError
 if TYPE_CHECKING:
     from deepshard.engine._checkpointing import EngineCheckpointing
 
-__all__ = ["engine_metadata", "restore", "torch_dtype"]
+__all__ = ["engine_metadata", "restore", "restore_imported", "torch_dtype"]
 
 FORMAT = 1
 """Version of the ``engine`` metadata."""
@@ -163,4 +167,33 @@ def restore(
     except KeyError as exc:
         raise CheckpointError(
             f"the checkpoint's engine metadata lacks {exc}; it was written by another version"
+        ) from exc
+
+
+def restore_imported(engine: EngineCheckpointing, saved: dict[str, Any]) -> None:
+    """Put back the counters of a checkpoint imported from DeepSpeed.
+
+    DeepSpeed saves no micro-step count: it is ``global_steps`` times the accumulation steps,
+    as for any run that resumes at a boundary. The schedule, loss scale, param-group
+    hyper-parameters and data position stay as this engine's config built them (DeepSpeed
+    pickles them, and the import reads no pickles).
+
+    Raises:
+        CheckpointError: A counter is missing or not a number.
+    """
+    accumulation = engine.parts.accumulation
+    try:
+        steps = int(saved["global_steps"])
+        accumulation.load_state_dict(
+            {
+                "micro_steps": steps * accumulation.steps,
+                "global_steps": steps,
+                "global_samples": int(saved["global_samples"]),
+                "skipped_steps": int(saved["skipped_steps"]),
+            }
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"the imported checkpoint's engine metadata has no usable counter ({exc!r}); "
+            "import it again with this version's ds-checkpoint import-deepspeed"
         ) from exc

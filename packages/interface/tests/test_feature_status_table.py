@@ -133,6 +133,17 @@ def test_ignored_features_and_keys_are_what_the_user_wrote() -> None:
     assert ignored_keys(DeepShardConfig.from_dict({"train_batch_size": 8})) == []
 
 
+def test_a_section_row_is_asked_for_only_through_the_keys_it_covers() -> None:
+    available_only = {"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}}
+    config = DeepShardConfig.from_dict(available_only)
+    assert asked_features(config, "ignored") == []
+    assert ignored_keys(config) == []
+    both = {"tensor_parallel": {"autotp_size": 2, "keep_module_on_host": True}}
+    config = DeepShardConfig.from_dict(both)
+    assert [row.key for row in asked_features(config, "ignored")] == ["tensor_parallel"]
+    assert ignored_keys(config) == ["tensor_parallel.keep_module_on_host"]
+
+
 def test_the_status_tables_import_without_torch() -> None:
     code = "import sys, deepshard.interface.status; print('torch' in sys.modules)"
     result = subprocess.run(

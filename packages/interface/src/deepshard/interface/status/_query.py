@@ -49,11 +49,27 @@ def asked_features(config: DeepShardConfig, status: str) -> list[FeatureStatus]:
         The rows whose `When` holds.
     """
     full, given = _dumps(config)
+    leaves = _leaf_paths(given)
     return [
         row
         for row in FEATURES
-        if row.status == status and row.when.holds(row.key, full=full, given=given)
+        if row.status == status
+        and row.when.holds(row.key, full=full, given=given)
+        and _asks_a_covered_key(row, leaves)
     ]
+
+
+def _asks_a_covered_key(row: FeatureStatus, leaves: list[str]) -> bool:
+    """Whether a ``given`` section row is asked for through a key it covers itself.
+
+    A section row (``tensor_parallel``, ``moe``) speaks for the keys no longer row claims: a
+    config that sets only ``tensor_parallel.autotp_size`` (an ``available`` row) does not ask
+    for "an AutoTP setting AutoTP does not read". Other tests read one value and always count.
+    """
+    if row.when.test != "given" or row.when.field:
+        return True
+    inside = [p for p in leaves if p == row.key or p.startswith(f"{row.key}.")]
+    return any(status_of(p) is row for p in inside)
 
 
 def planned_problems(config: DeepShardConfig) -> list[tuple[str, str]]:

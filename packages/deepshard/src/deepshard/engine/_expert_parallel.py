@@ -13,6 +13,9 @@ user-built optimizer through `deepshard.autoep.remap_optimizer`, and ``model_par
 (tensors or param groups) by `remap_parameters`, each new expert tensor in the group its
 sources were in.
 
+With ``ep = sp = 1`` the experts' group ``dp`` is the dense group, so every parameter is
+described as whole and reduced over it (one reduction group for ZeRO).
+
 AutoEP together with AutoTP (dense layers TP-split, experts EP-split) is not built: refused.
 """
 
@@ -143,4 +146,10 @@ def apply_expert_parallel(
         remap_optimizer(optimizer, report)
     if model_parameters is not None:
         model_parameters = remap_parameters(model_parameters, report)
-    return report.placements, model_parameters
+    placements = report.placements
+    topology = dims.topology
+    if topology.ep * topology.sp == 1:
+        # The expert group (dp) is then the dense group itself: one group for ZeRO, and every
+        # expert whole on the rank (an EP = 1 run, e.g. loading an EP = 2 checkpoint).
+        placements = PlacementRegistry.replicated(model.named_parameters(), topology)
+    return placements, model_parameters

@@ -79,7 +79,10 @@ def _config(stage: int, *, with_optimizer: bool = True, ep: int = 2) -> dict[str
         "expert_parallel": {"enabled": True, "autoep_size": ep},
     }
     if with_optimizer:
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": LR, "weight_decay": WD, "eps": EPS},
+        }
     return config
 
 

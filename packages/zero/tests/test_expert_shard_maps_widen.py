@@ -16,9 +16,7 @@ from deepshard.zero import StateShard
 from deepshard.zero._tp_maps import expert_widened_entries
 
 TOPOLOGY = Topology(dp=2, ep=2)
-EXPERT = ParamPlacement.replicated((4, 3), "float32", reduce_over=("dp",)).with_axis(
-    "ep", Shard(0)
-)
+EXPERT = ParamPlacement.replicated((4, 3), "float32", reduce_over=("dp",)).with_axis("ep", Shard(0))
 
 
 def _coords(dp: int, ep: int) -> tuple[int, ...]:
@@ -30,18 +28,24 @@ def _expert_map(ep: int) -> ShardMap:
     pieces = []
     for dp, (start, stop) in enumerate(((0, 4), (4, 6))):
         coords = _coords(dp, ep)
-        offset, box = EXPERT.local_box(TOPOLOGY, dict(zip(TOPOLOGY.axis_names, coords, strict=True)))
+        offset, box = EXPERT.local_box(
+            TOPOLOGY, dict(zip(TOPOLOGY.axis_names, coords, strict=True))
+        )
         pieces.append(ShardPiece(dp, offset, box, start, stop, 0, coords))
     return ShardMap((4, 3), "float32", tuple(pieces), ("dp",), TOPOLOGY.axis_names, TOPOLOGY.shape)
 
 
 def _dense_map() -> ShardMap:
     pieces = tuple(
-        ShardPiece(2 * dp + ep, (0,), (8,), 2 * (2 * dp + ep), 2 * (2 * dp + ep) + 2, 0, _coords(dp, ep))
+        ShardPiece(
+            2 * dp + ep, (0,), (8,), 2 * (2 * dp + ep), 2 * (2 * dp + ep) + 2, 0, _coords(dp, ep)
+        )
         for dp in range(2)
         for ep in range(2)
     )
-    return ShardMap((8,), "float32", pieces, ("dp", "ep", "sp"), TOPOLOGY.axis_names, TOPOLOGY.shape)
+    return ShardMap(
+        (8,), "float32", pieces, ("dp", "ep", "sp"), TOPOLOGY.axis_names, TOPOLOGY.shape
+    )
 
 
 def test_expert_map_spans_every_ep_rank_once_and_dense_maps_are_kept() -> None:

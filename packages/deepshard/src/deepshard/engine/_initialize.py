@@ -10,10 +10,10 @@
 3. Reconcile the batch sizes for the ranks that read different samples (dp × ep); under
    ``elasticity`` they come from the elastic schedule for that world (`_elastic`).
 4. Apply Ulysses when ``sequence_parallel_size`` is above 1 (`deepshard.engine.
-   _sequence_parallel`), AutoTP / AutoEP (`_tensor_parallel`, `_expert_parallel`: they write
-   the placements ZeRO shards with), move and cast the model (`Precision`), then build the optimizer on its
-   parameters (the caller's wins over the config's), wrap it with ZeRO, and build the LR
-   schedule on the wrapper.
+   _sequence_parallel`), then AutoTP or AutoEP (`_tensor_parallel`, `_expert_parallel`: they
+   write the placements ZeRO shards with), move and cast the model (`Precision`), then build
+   the optimizer on its parameters (the caller's wins over the config's), wrap it with ZeRO,
+   and build the LR schedule on the wrapper.
 5. Build the loss scaler, the counters, the reporter (with the profiler's wall-clock timers),
    the ``flops_profiler`` step profile and, given ``training_data``, the loader.
 """

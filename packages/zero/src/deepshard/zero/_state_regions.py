@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepshard.interface import ShardPiece
-from deepshard.interface.errors import ConfigError
 from deepshard.zero._resident_groups import refuse_mixed
 from deepshard.zero._shards import ParamShard
 

@@ -1,15 +1,18 @@
-"""``initialize`` with ``expert_parallel.enabled``: a tiny ``MixtralForCausalLM`` replaced by
+"""``initialize`` with ``expert_parallel.enabled``: tiny HF MoE models replaced by
 AutoEP (EP = 2 on 2 gloo ranks) and trained under ZeRO-2 and ZeRO-3, against one process.
 
-``initialize`` parallelizes the experts before the cast (each rank keeps 2 of the 4 experts)
-and hands AutoEP's placements to ZeRO: expert weights partitioned and reduced over ``dp`` (one
-rank here), dense ones over ``dp × ep``. Each rank reads its own micro-batch (the batch group is
-``dp × ep``). The reference is the unreplaced model in one process stepping on the mean of the
-two ranks' losses, clipped at 1.0 (active on every step), then AdamW. Five steps must give each
-rank its batch's reference loss, and every parameter (experts gathered over ``ep``) the
-reference's value. One run also builds the optimizer itself, before ``initialize``, with the
-experts in their own param group (no weight decay): ``initialize`` must move it onto the new
-expert tensors, or the experts would not train. Bad AutoEP settings are refused on a fake
+``initialize`` parallelizes the experts before the cast (each rank keeps half of them) and
+hands AutoEP's placements to ZeRO: expert weights partitioned and reduced over ``dp`` (one rank
+here), dense ones over ``dp × ep``. Each rank reads its own micro-batch (the batch group is
+``dp × ep``). Mixtral (4 experts) runs at ZeRO-2 and ZeRO-3; DeepSeek-V3 (8 experts, sigmoid
+group-limited routing, a shared expert, a non-zero ``e_score_correction_bias``) at ZeRO-3. The
+reference is the unreplaced model in one process stepping on the mean of the two ranks'
+losses, clipped at 1.0 (active on every step), then AdamW. Five steps must give each rank its
+batch's reference loss, and every parameter (experts gathered over ``ep``) the reference's
+value; DeepSeek's bias must still be a persistent buffer with the same values (it is not
+trained). One run also builds the optimizer itself, before ``initialize``, with the experts in
+their own param group (no weight decay): ``initialize`` must move it onto the new expert
+tensors, or the experts would not train. Bad AutoEP settings are refused on a fake
 process group, naming the key.
 """
 
@@ -33,36 +36,89 @@ EPS = 1e-3
 order by the grouped experts than by the HF loop) turns its rounding into an update of up to
 ``lr``; with 1e-3 a rounding error ``δ`` moves an update by at most ``lr · δ / eps``."""
 ATOL = 1e-5
-RUNS = ((2, False), (3, False), (2, True))
-"""(ZeRO stage, optimizer built by the caller with the experts in their own group)."""
+RUNS = (
+    ("mixtral", 2, False),
+    ("mixtral", 3, False),
+    ("mixtral", 2, True),
+    ("deepseek_v3", 3, False),
+)
+"""(model, ZeRO stage, optimizer built by the caller with the experts in their own group)."""
+NUM_EXPERTS = {"mixtral": EXPERTS, "deepseek_v3": 8}
 
 
-def _model(experts: int = EXPERTS) -> torch.nn.Module:
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    num_experts_per_tok=2,
+    attn_implementation="eager",
+)
+
+
+def _deepseek(experts: int) -> torch.nn.Module:
+    """DeepSeek-V3: sigmoid scores, group-limited routing, a shared expert, layer 0 dense."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        **_COMMON,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
+    return DeepseekV3ForCausalLM(config)
+
+
+def _model(experts: int = EXPERTS, family: str = "mixtral") -> torch.nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        num_local_experts=experts,
-        num_experts_per_tok=2,
-        output_router_logits=True,
-        router_aux_loss_coef=0.05,
-        attn_implementation="eager",
-    )
-    model = MixtralForCausalLM(config)
-    # HF's 0.02 init routes nearly uniformly, which would hide a wrong expert choice.
+    if family == "deepseek_v3":
+        model = _deepseek(experts)
+    else:
+        config = MixtralConfig(
+            **_COMMON,
+            num_key_value_heads=2,
+            intermediate_size=32,
+            num_local_experts=experts,
+            output_router_logits=True,
+            router_aux_loss_coef=0.05,
+        )
+        model = MixtralForCausalLM(config)
+    # HF's 0.02 init routes nearly uniformly, which would hide a wrong expert choice; a
+    # non-zero correction bias changes DeepSeek's choice.
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.3)
     return model.float()
+
+
+def _biases(model: torch.nn.Module) -> dict[str, list[float]]:
+    """Every correction bias that is a persistent buffer, by name."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name == "e_score_correction_bias" and name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{name}"] = buffer.tolist()
+    return out
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -92,8 +148,8 @@ def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
     return [{"params": dense}, {"params": experts, "weight_decay": 0.0}]
 
 
-def _train(mesh: Any, stage: int, own_optimizer: bool) -> dict[str, Any]:
-    model = _model()
+def _train(mesh: Any, family: str, stage: int, own_optimizer: bool) -> dict[str, Any]:
+    model = _model(NUM_EXPERTS[family], family)
     optimizer = None
     if own_optimizer:
         optimizer = torch.optim.AdamW(_groups(model), lr=LR, weight_decay=WD, eps=EPS)
@@ -119,15 +175,21 @@ def _train(mesh: Any, stage: int, own_optimizer: bool) -> dict[str, Any]:
             value = torch.cat(parts)
         params[name] = value
     shapes = {n: tuple(v.shape) for n, v in local.items() if ".experts." in n}
-    return {"losses": losses, "params": params, "shapes": shapes, "rank": dims.batch_rank}
+    return {
+        "losses": losses,
+        "params": params,
+        "shapes": shapes,
+        "rank": dims.batch_rank,
+        "biases": _biases(engine.module),
+    }
 
 
 def _all(mesh: Any) -> list[dict[str, Any]]:
-    return [_train(mesh, stage, own) for stage, own in RUNS]
+    return [_train(mesh, family, stage, own) for family, stage, own in RUNS]
 
 
-def _reference(own_optimizer: bool) -> dict[str, Any]:
-    model = _model()
+def _reference(family: str, own_optimizer: bool) -> dict[str, Any]:
+    model = _model(NUM_EXPERTS[family], family)
     groups = _groups(model) if own_optimizer else model.parameters()
     inner = torch.optim.AdamW(groups, lr=LR, weight_decay=WD, eps=EPS)
     losses = []
@@ -139,7 +201,7 @@ def _reference(own_optimizer: bool) -> dict[str, Any]:
         inner.step()
         inner.zero_grad()
         losses.append([loss.item() for loss in per_rank])
-    return {"losses": losses, "params": dict(model.named_parameters())}
+    return {"losses": losses, "params": dict(model.named_parameters()), "biases": _biases(model)}
 
 
 @pytest.fixture(scope="module")
@@ -150,15 +212,19 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any
 
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize(
-    "run", range(len(RUNS)), ids=[f"zero{s}{'-own-optimizer' if o else ''}" for s, o in RUNS]
+    "run", range(len(RUNS)), ids=[f"{f}-zero{s}{'-own-optimizer' if o else ''}" for f, s, o in RUNS]
 )
-def test_ep2_mixtral_matches_one_process(results: list[list[dict[str, Any]]], run: int) -> None:
-    ref = _reference(RUNS[run][1])
+def test_ep2_moe_matches_one_process(results: list[list[dict[str, Any]]], run: int) -> None:
+    family, _, own = RUNS[run]
+    ref = _reference(family, own)
+    if family == "deepseek_v3":  # the bias is still a persistent buffer, with its values
+        assert ref["biases"] and any(v != 0.0 for vs in ref["biases"].values() for v in vs)
     for rank_runs in results:
         got = rank_runs[run]
         assert got["shapes"], "no expert parameter was found"
         for name, shape in got["shapes"].items():
-            assert shape[0] == EXPERTS // 2, name  # only this rank's experts are kept
+            assert shape[0] == NUM_EXPERTS[family] // 2, name  # only this rank's experts
+        assert got["biases"] == ref["biases"]
         want_losses = [step[got["rank"]] for step in ref["losses"]]
         assert got["losses"] == pytest.approx(want_losses, rel=1e-5)
         assert set(got["params"]) == set(ref["params"])

@@ -239,7 +239,8 @@ def initialize(
             or by hand: expert parameters reduced over ``dp``), passed to
             ``deepshard.zero.shard`` at every stage; ``None``: every parameter whole on every
             rank. It must be keyed by the model's parameter names and built for the mesh's
-            topology.
+            topology. Not with ``expert_parallel.enabled`` or ``autotp_size > 1``, which write
+            the placements themselves.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``.
@@ -248,7 +249,9 @@ def initialize(
         ConfigError: No model; no config, two of them, or a config file that does not exist;
             an ``mpu``; the config is invalid or asks for something the engine does not run; the
             batch sizes disagree with the world; the optimizer, schedule or ZeRO settings are
-            refused; ``placements`` does not fit the model or mesh. Each problem names its key.
+            refused; ``placements`` does not fit the model or mesh; ``expert_parallel.
+            autoep_size`` differs from the mesh's ``ep`` or does not divide a block's experts.
+            Each problem names its key.
         TopologyError: The world does not fit the config's parallel degrees or the mesh.
         CommError: ``dist_init_required=False`` without a process group, or the rendezvous
             failed.

@@ -4,8 +4,10 @@ Rank 1 of ``dp=2 × ep=2`` is played on a fake process group (no data moves; not
 reads values). The model has a dense layer and an expert layer whose placement reduces it over
 ``dp`` only. Stages 0-3 build one layout per group; every path not built for several groups —
 ``shard(group=...)``, a group reaching outside the dense axes, optimizer offload, Muon, the
-safe_* helpers, ``state_shards()``, ``GatheredParameters(modifier_rank=...)``, the params-only
-``ZeroOptimizer(inner, group=...)`` — raises a typed error naming what to do instead.
+safe_* helpers, ``state_shards()`` at stages 0-2, ``GatheredParameters(modifier_rank=...)``,
+the params-only ``ZeroOptimizer(inner, group=...)`` — raises a typed error naming what to do
+instead. At stage 3 ``state_shards()`` is built: the expert entries' maps span ``dp × ep``
+with the dense group's ranks, like the dense ones.
 """
 
 from __future__ import annotations
@@ -131,8 +133,6 @@ def test_unbuilt_paths_are_refused(dims: ParallelDims) -> None:
     zero = ZeroOptimizer(inner, sharded, config=ZeroConfig(stage=3))
     with pytest.raises(ConfigError, match="safe_get_"):
         safe_get_full_fp32_param(model[1].weight, zero)
-    with pytest.raises(ConfigError, match="state_shards"):
-        zero.state_shards()
     with pytest.raises(ConfigError, match="modifier_rank=0"):
         GatheredParameters(list(model.parameters()), modifier_rank=0)
 
@@ -156,3 +156,19 @@ def test_an_expert_replicated_along_a_left_out_axis_is_refused() -> None:
                 registry.set(name, ParamPlacement.replicated(shape, "float32"))
         with pytest.raises(TopologyError, match=r"replicated along 'sp' \(size 2\)"):
             shard(model, parallel_dims=dims, placements=registry)
+
+
+def test_stage3_state_shards_span_the_dense_group(dims: ParallelDims) -> None:
+    model = _model()
+    sharded = shard(model, parallel_dims=dims, placements=_registry(model))
+    zero = ZeroOptimizer(torch.optim.Adam(model.parameters()), sharded, config=ZeroConfig(stage=3))
+    entries = {entry.key: entry for entry in zero.state_shards()}
+    for name in ("0.weight", "1.weight", "1.bias"):
+        smap = entries[f"{name}/master"].shard_map
+        smap.validate_coverage()
+        assert {p.rank for p in smap.pieces} <= set(range(4)), name
+    expert = entries["1.weight/master"].shard_map
+    assert expert.global_shape == (16, 8)
+    assert expert.axes == ("dp", "ep")
+    # rank 1 is (dp 0, ep 1): its pieces lie in the second expert's rows [8, 16)
+    assert {p.box_offset for p in expert.pieces if p.rank == 1} == {(8, 0)}

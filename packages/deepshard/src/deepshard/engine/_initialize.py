@@ -10,9 +10,10 @@
 3. Reconcile the batch sizes for the ranks that read different samples (dp × ep); under
    ``elasticity`` they come from the elastic schedule for that world (`_elastic`).
 4. Apply Ulysses when ``sequence_parallel_size`` is above 1 (`deepshard.engine.
-   _sequence_parallel`), move and cast the model (`Precision`), then build the optimizer on its
-   parameters (the caller's wins over the config's), wrap it with ZeRO, and build the LR
-   schedule on the wrapper.
+   _sequence_parallel`), then AutoTP or AutoEP (`_tensor_parallel`, `_expert_parallel`: they
+   write the placements ZeRO shards with), move and cast the model (`Precision`), then build
+   the optimizer on its parameters (the caller's wins over the config's), wrap it with ZeRO,
+   and build the LR schedule on the wrapper.
 5. Build the loss scaler, the counters, the reporter (with the profiler's wall-clock timers),
    the ``flops_profiler`` step profile and, given ``training_data``, the loader.
 """
@@ -50,6 +51,7 @@ from deepshard.engine._components import (
 from deepshard.engine._dataloader import build_dataloader
 from deepshard.engine._elastic import engine_batch_sizes
 from deepshard.engine._engine import DeepShardEngine, EngineParts
+from deepshard.engine._expert_parallel import apply_expert_parallel, check_ep_layout
 from deepshard.engine._init_built import check_init_built
 from deepshard.engine._logging import announce, log_all_ranks
 from deepshard.engine._precision import plan_precision
@@ -237,7 +239,8 @@ def initialize(
             or by hand: expert parameters reduced over ``dp``), passed to
             ``deepshard.zero.shard`` at every stage; ``None``: every parameter whole on every
             rank. It must be keyed by the model's parameter names and built for the mesh's
-            topology.
+            topology. Not with ``expert_parallel.enabled`` or ``autotp_size > 1``, which write
+            the placements themselves.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``.
@@ -246,7 +249,9 @@ def initialize(
         ConfigError: No model; no config, two of them, or a config file that does not exist;
             an ``mpu``; the config is invalid or asks for something the engine does not run; the
             batch sizes disagree with the world; the optimizer, schedule or ZeRO settings are
-            refused; ``placements`` does not fit the model or mesh. Each problem names its key.
+            refused; ``placements`` does not fit the model or mesh; ``expert_parallel.
+            autoep_size`` differs from the mesh's ``ep`` or does not divide a block's experts.
+            Each problem names its key.
         TopologyError: The world does not fit the config's parallel degrees or the mesh.
         CommError: ``dist_init_required=False`` without a process group, or the rendezvous
             failed.
@@ -274,8 +279,13 @@ def initialize(
             "initialize(placements=) together with tensor_parallel.autotp_size > 1: AutoTP "
             "writes the placements of the model it splits; drop the argument"
         )
+    check_ep_layout(parsed, dims=dims, placements=placements)
     tp_placements = apply_tensor_parallel(model, parsed, dims=dims)
     placements = tp_placements if tp_placements is not None else placements
+    ep_placements, model_parameters = apply_expert_parallel(
+        model, parsed, dims=dims, optimizer=optimizer, model_parameters=model_parameters
+    )
+    placements = ep_placements if ep_placements is not None else placements
     precision.cast_model(model, device)
     comms = _comms_logger(parsed, dims.rank)
     params = default_parameters(model, parsed) if model_parameters is None else model_parameters

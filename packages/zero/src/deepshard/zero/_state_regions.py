@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepshard.interface import ShardPiece
-from deepshard.interface.errors import ConfigError
 from deepshard.zero._resident_groups import refuse_mixed
 from deepshard.zero._shards import ParamShard
 
@@ -64,6 +63,8 @@ class ParamPlace:
         trainable: Whether it has a master and optimizer state.
         write_model: Stores loaded values of a parameter without a master (stage-3 frozen ones:
             ``(values, piece index)``); ``None`` where the masters are the source of truth.
+        group_rank: This rank's index in the group its unit is partitioned over when that is
+            not the optimizer's (a stage-3 expert unit); ``None``: the optimizer's group.
     """
 
     shard: ParamShard
@@ -72,6 +73,7 @@ class ParamPlace:
     model_dtype: torch.dtype
     trainable: bool = True
     write_model: Callable[[torch.Tensor, int], None] | None = None
+    group_rank: int | None = None
 
 
 @dataclass
@@ -182,15 +184,7 @@ def flat_regions(opt: ZeroOptimizer) -> Regions:
 
 def stage3_regions(opt: Stage3Optimizer) -> Regions:
     """Stage 3: one region per unit (its trainable prefix); frozen parameters have no master.
-
-    Raises:
-        ConfigError: The model has several reduction groups (not built here yet).
-    """
-    if opt.sharded.mixed_groups:
-        raise ConfigError(
-            "state_shards()/load_state_shards() are not built for a model with several "
-            "reduction groups (expert and dense parameters) yet; save with state_dict()"
-        )
+    With several reduction groups an expert unit's parameters carry their group's rank."""
     offload = opt._offload
     if offload is None:
         regions = [
@@ -206,15 +200,19 @@ def stage3_regions(opt: Stage3Optimizer) -> Regions:
     sharded = opt.sharded
     params = []
     for plan in sharded.plans:
-        home = sharded.units[plan.index].home
-        partition = home.read()
+        unit = sharded.units[plan.index]
+        home, partition = unit.home, unit.home.read()
+        # an expert unit is partitioned over its own group: its pieces are by that group's rank
+        own = unit.rank if unit.group is not sharded.group else None
         for param in plan.params:
             info = sharded.shard_info(param)
-            pieces = info.shard.shard_map.pieces_of(rank)
+            pieces = info.shard.shard_map.pieces_of(rank if own is None else own)
             model = tuple(partition[p.local_offset : p.local_offset + p.numel] for p in pieces)
             writer = None if param.requires_grad else _home_writer(home, pieces)
             trainable = param.requires_grad
-            params.append(ParamPlace(info.shard, plan.index, model, plan.dtype, trainable, writer))
+            params.append(
+                ParamPlace(info.shard, plan.index, model, plan.dtype, trainable, writer, own)
+            )
     params.sort(key=lambda p: not p.trainable)
     return Regions(regions, params, steps, offload, whole, opt._transforms)
 

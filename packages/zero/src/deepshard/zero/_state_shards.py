@@ -41,7 +41,7 @@ from deepshard.interface.errors import CheckpointError
 from deepshard.zero._state_entry import StateShard, Writer, joined, rebased, splitter
 from deepshard.zero._state_extra import materialize_buffers, momentum_entries, scalar_entries
 from deepshard.zero._state_regions import ParamPlace, Region, Regions, flat_regions, stage3_regions
-from deepshard.zero._tp_maps import widened_entries
+from deepshard.zero._tp_maps import expert_widened_entries, widened_entries
 
 if TYPE_CHECKING:
     from deepshard.zero._stage3_optimizer import Stage3Optimizer
@@ -74,7 +74,7 @@ def _param_entries(
 ) -> list[tuple[StateShard, Writer | None]]:
     """The ``param``, ``master`` and per-element state entries of one parameter."""
     shard, frozen = place.shard, not place.trainable
-    pieces = shard.shard_map.pieces_of(rank)
+    pieces = shard.shard_map.pieces_of(rank if place.group_rank is None else place.group_rank)
     region = regions.regions[place.region] if place.trainable else None
     device = region.master.device if region is not None else torch.device("cpu")
     model = joined(place.model, place.model_dtype, device)
@@ -123,6 +123,10 @@ class StateShardAccess:
         rank = opt.partition_group.rank()
         out = [e for place in regions.params for e in _param_entries(place, regions, rank)]
         maps = [place.shard.shard_map for place in regions.params]
+        # scalars are replicated over the optimizer's group: lay them out like the maps over
+        # all of it (expert maps cover only their own group)
+        widest = max((len(m.axes) for m in maps), default=0)
+        maps = [m for m in maps if len(m.axes) == widest]
         out += momentum_entries(regions) + scalar_entries(opt, regions, maps)
         keys = [entry.key for entry, _ in out]
         assert len(set(keys)) == len(keys), f"two ZeRO state shards share a key: {keys}"
@@ -141,10 +145,14 @@ class StateShardAccess:
         self.check_resident("state_shards()")
         regions = self._regions()
         entries = tuple(entry for entry, _ in self._entries(regions))
+        placements = {p.shard.name: p.shard.placement for p in regions.params}
+        if any(p.group_rank is not None for p in regions.params):
+            # expert parameters: one map over every ep rank's experts (deepshard.zero._tp_maps)
+            entries = expert_widened_entries(entries, placements)
         if getattr(self, "_tp", None) is None:
             return entries
         # tensor parallelism: one map over every TP slice (deepshard.zero._tp_maps)
-        return widened_entries(entries, {p.shard.name: p.shard.placement for p in regions.params})
+        return widened_entries(entries, placements)
 
     def load_state_shards(self, values: Mapping[str, torch.Tensor]) -> None:
         """Copy loaded local tensors (by `StateShard.key`) into the optimizer; refresh the model.

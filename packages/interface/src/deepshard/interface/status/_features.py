@@ -152,10 +152,9 @@ _IGNORED = (
     ),
     FeatureStatus(
         "expert_parallel",
-        "ignored",
-        "AutoEP (the ep axis is laid out, experts are not sharded)",
+        "available",
+        "AutoEP expert parallelism (engine checkpoints at ZeRO stage 3)",
         "deepshard-autoep",
-        When("true", field="enabled"),
     ),
     FeatureStatus(
         "use_data_before_expert_parallelism",

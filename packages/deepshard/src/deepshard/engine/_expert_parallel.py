@@ -1,0 +1,155 @@
+"""What `initialize` does with ``expert_parallel.enabled``: AutoEP before the cast.
+
+The expert-parallel degree is ``expert_parallel.autoep_size``; it is the ``ep`` axis of the mesh
+(`DeepShardConfig.topology` lays it out), so a caller's mesh must have the same ``ep`` size.
+`deepshard.autoep.parallelize_experts` replaces every MoE block (each rank keeps ``E / ep``
+experts) and writes every parameter's placement: expert weights reduced over ``dp``, dense ones
+over ``dp × ep × sp``. ZeRO partitions each kind over its own group from those placements, so
+an ``initialize(placements=)`` registry would describe the unreplaced model and is refused.
+
+The replacement swaps parameter objects, so whatever was built on the old ones is moved onto
+the new ones before ZeRO sees it (DeepSpeed's #8377 trained the discarded experts instead): a
+user-built optimizer through `deepshard.autoep.remap_optimizer`, and ``model_parameters``
+(tensors or param groups) by `remap_parameters`, each new expert tensor in the group its
+sources were in.
+
+With ``ep = sp = 1`` the experts' group ``dp`` is the dense group, so every parameter is
+described as whole and reduced over it (one reduction group for ZeRO).
+
+AutoEP together with AutoTP (dense layers TP-split, experts EP-split) is not built: refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from deepshard.comm import ParallelDims
+from deepshard.interface import PlacementRegistry
+from deepshard.interface.config import DeepShardConfig
+from deepshard.interface.errors import ConfigError
+
+if TYPE_CHECKING:
+    from deepshard.autoep import ReplacementReport
+
+__all__ = ["apply_expert_parallel", "check_ep_layout", "remap_parameters"]
+
+_KEY = "expert_parallel.autoep_size"
+
+
+def check_ep_layout(
+    config: DeepShardConfig, *, dims: ParallelDims, placements: PlacementRegistry | None
+) -> None:
+    """Refuse an AutoEP setting that the mesh or the other arguments contradict.
+
+    Args:
+        config: The validated config.
+        dims: The training mesh.
+        placements: ``initialize(placements=)``.
+
+    Raises:
+        ConfigError: ``autoep_size`` differs from the mesh's ``ep``, AutoTP is on too, or a
+            placement registry was passed.
+    """
+    section = config.expert_parallel
+    if not section.enabled:
+        return
+    if section.autoep_size != dims.topology.ep:
+        raise ConfigError(
+            f"{_KEY}: {section.autoep_size} differs from the mesh's ep axis of size "
+            f"{dims.topology.ep}; build the mesh with Topology(ep={section.autoep_size}, ...) "
+            "or pass no mesh (initialize lays the config's ep out)"
+        )
+    if dims.topology.tp > 1:
+        raise ConfigError(
+            "expert_parallel.enabled together with tensor_parallel.autotp_size > 1: AutoEP "
+            "with AutoTP on one mesh is not built yet; use one of the two"
+        )
+    if placements is not None:
+        raise ConfigError(
+            "initialize(placements=) together with expert_parallel.enabled: AutoEP writes the "
+            "placements of the model it replaces; drop the argument"
+        )
+
+
+def remap_parameters(params: Iterable[Any], report: ReplacementReport) -> list[Any]:
+    """``model_parameters`` (tensors or param-group dicts) moved onto the replaced experts.
+
+    Each swap's sources are dropped; the new parameter takes the place of the first of them,
+    in that source's group. A swap none of whose sources is listed adds nothing.
+
+    Args:
+        params: What the caller gave as ``model_parameters``, read once.
+        report: The `deepshard.autoep.ReplacementReport`.
+
+    Raises:
+        ConfigError: One swap's sources are in different param groups.
+    """
+    items = list(params)
+    grouped = [isinstance(item, dict) for item in items]
+    groups: list[list[Any]] = (
+        [list(item["params"]) for item in items] if all(grouped) and items else [items]
+    )
+    for swap in report.swaps:
+        ids = {id(p) for p in swap.sources}
+        holders = [i for i, g in enumerate(groups) if any(id(p) in ids for p in g)]
+        if len(holders) > 1:
+            raise ConfigError(
+                f"model_parameters: the tensors {swap.name} is built from are in param groups "
+                f"{holders}; put all experts of one block in one group"
+            )
+        for i in holders:
+            first = next(j for j, p in enumerate(groups[i]) if id(p) in ids)
+            kept = [p for j, p in enumerate(groups[i]) if j == first or id(p) not in ids]
+            groups[i] = [swap.new if id(p) in ids else p for p in kept]
+    if all(grouped) and items:
+        return [{**item, "params": g} for item, g in zip(items, groups, strict=True)]
+    return groups[0]
+
+
+def apply_expert_parallel(
+    model: torch.nn.Module,
+    config: DeepShardConfig,
+    *,
+    dims: ParallelDims,
+    optimizer: Any,
+    model_parameters: Iterable[Any] | None,
+) -> tuple[PlacementRegistry | None, Iterable[Any] | None]:
+    """Replace ``model``'s MoE blocks over the mesh's ``ep`` axis, before the cast.
+
+    Nothing is done (``(None, model_parameters)``) when ``expert_parallel`` is not enabled.
+
+    Args:
+        model: The model `initialize` trains.
+        config: The validated config (its ``expert_parallel`` section).
+        dims: The training mesh (checked by `check_ep_layout`).
+        optimizer: ``initialize(optimizer=)``; a built optimizer is remapped in place.
+        model_parameters: ``initialize(model_parameters=)``, remapped (`remap_parameters`).
+
+    Returns:
+        Every parameter's placement (for `deepshard.zero.shard`) and the remapped
+        ``model_parameters``.
+
+    Raises:
+        ConfigError: ``autoep_size`` does not divide a block's expert count, no MoE block was
+            found, or the optimizer's / ``model_parameters``' groups split one block's experts.
+    """
+    section = config.expert_parallel
+    if not section.enabled:
+        return None, model_parameters
+    from deepshard.autoep import parallelize_experts, remap_optimizer
+
+    report = parallelize_experts(model, dims, section)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        remap_optimizer(optimizer, report)
+    if model_parameters is not None:
+        model_parameters = remap_parameters(model_parameters, report)
+    placements = report.placements
+    topology = dims.topology
+    if topology.ep * topology.sp == 1:
+        # The expert group (dp) is then the dense group itself: one group for ZeRO, and every
+        # expert whole on the rank (an EP = 1 run, e.g. loading an EP = 2 checkpoint).
+        placements = PlacementRegistry.replicated(model.named_parameters(), topology)
+    return placements, model_parameters

@@ -26,9 +26,10 @@ from deepshard.interface import (
     Topology,
 )
 from deepshard.interface.config import ZeroConfig
-from deepshard.interface.errors import TopologyError
+from deepshard.interface.errors import ConfigError, TopologyError
 from deepshard.testing import fake_mesh
-from deepshard.zero import ZeroOptimizer
+from deepshard.zero import ZeroOptimizer, ZeroPolicy
+from deepshard.zero import shard as zero_shard
 
 TOPOLOGY = Topology(dp=2, ep=2, tp=2)
 ROWS, COLS = 12, 10  # global weight; each tp rank holds 6 rows
@@ -84,13 +85,7 @@ def test_pieces_locate_the_global_tensor_and_carry_mesh_coordinates(
     dims: ParallelDims, stage: int
 ) -> None:
     model = _tp_model(dims.coordinate["tp"])
-    zero = ZeroOptimizer(
-        torch.optim.AdamW(model.parameters()),
-        group=dims.dense_dp,
-        config=ZeroConfig(stage=stage, reduce_bucket_size=64),
-        named_parameters=model.named_parameters(),
-        placements=_registry(model),
-    )
+    zero = _tp_zero(model, dims, _registry(model), stage=stage)
     members = _members(dims.rank, ("dp", "ep", "sp"))
     group_rank = members.index(dims.rank)
     full = _global()
@@ -118,6 +113,16 @@ def test_pieces_locate_the_global_tensor_and_carry_mesh_coordinates(
             expected[1:4] = [FlatShard()] * 3
         assert shard.placement.placements == tuple(expected)
         assert shard.placement.dtype == "float32"
+
+
+def _tp_zero(
+    model: torch.nn.Module, dims: ParallelDims, registry: PlacementRegistry, *, stage: int = 1
+) -> ZeroOptimizer:
+    """ZeRO over tp-sharded placements: ``shard(parallel_dims=)`` (it needs the tp group)."""
+    policy = ZeroPolicy(stage=stage, reduce_bucket_size=64)
+    resident = zero_shard(model, parallel_dims=dims, policy=policy, placements=registry)
+    config = ZeroConfig(stage=stage, reduce_bucket_size=64)
+    return ZeroOptimizer(torch.optim.AdamW(model.parameters()), resident, config=config)
 
 
 def _zero(model: torch.nn.Module, group: Any, registry: PlacementRegistry | None) -> ZeroOptimizer:
@@ -149,8 +154,9 @@ def test_expert_parameters_reduce_over_dp_alone(dims: ParallelDims) -> None:
 def test_placements_that_do_not_fit_are_refused(dims: ParallelDims) -> None:
     model = _tp_model(dims.coordinate["tp"])
     dense = _registry(model)
-    with pytest.raises(TopologyError, match=r"ranks \[.*\].*ParallelDims.dense_dp"):
-        _zero(model, dims.expert_dp, dense)  # the dense parameters need dp × ep
+    # tp-sharded placements need the tp group for the norm: group= alone is refused
+    with pytest.raises(ConfigError, match=r"over tp.*parallel_dims=dims"):
+        _zero(model, dims.dense_dp, dense)
     unsplit = PlacementRegistry.replicated(model.named_parameters(), TOPOLOGY)
     unsplit.set(
         "0.weight",
@@ -159,14 +165,15 @@ def test_placements_that_do_not_fit_are_refused(dims: ParallelDims) -> None:
     with pytest.raises(
         TopologyError, match=r"'0.weight' has shape \(6, 10\).*gives this rank \(3, 10\)"
     ):
-        _zero(model, dims.dense_dp, unsplit)
+        _tp_zero(model, dims, unsplit)
     partial = PlacementRegistry(TOPOLOGY, {"0.weight": dense["0.weight"]})
     with pytest.raises(TopologyError, match=r"'0\.bias' has no placement"):
-        _zero(model, dims.dense_dp, partial)
+        _tp_zero(model, dims, partial)
     mixed = _registry(model)
     mixed.set("1.bias", ParamPlacement.replicated((3,), "float32", reduce_over=("dp",)))
-    with pytest.raises(TopologyError, match=r"over one group.*expert_dp"):
-        _zero(model, dims.dense_dp, mixed)
+    # reduced over dp alone yet copied along ep: the norm would count it twice
+    with pytest.raises(TopologyError, match=r"'1.bias' reduces over \('dp',\).*along 'ep'"):
+        _tp_zero(model, dims, mixed)
     small = PlacementRegistry.replicated(model.named_parameters(), Topology(dp=2))
     with pytest.raises(TopologyError, match="covers 2 ranks but the world has 8"):
-        _zero(model, dims.dense_dp, small)
+        _tp_zero(model, dims, small)

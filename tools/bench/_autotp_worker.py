@@ -49,7 +49,7 @@ class Shape:
 
 
 FULL = Shape(512, 1408, 8, 8, 4, 8192, 2, 128)
-"""~31.7M parameters: 8 layers of 2.9M, untied 4.2M embedding and LM head."""
+"""31.99M parameters: 8 layers of 2.95M, an untied embedding and LM head of 4.19M each."""
 QUICK = Shape(64, 128, 2, 8, 2, 128, 2, 16)
 """The issue's tiny Llama (vocab 128, hidden 64, intermediate 128, 2 layers, 8/2 heads)."""
 

@@ -3,7 +3,7 @@
     uv run --all-packages --group bench python tools/bench/autotp.py [--quick]
         [--steps 3] [--warmup 1] [--rounds 2] [--rows deepshard-tp2,...] [--json OUT]
 
-Every row trains the same ~31.7M-parameter ``LlamaForCausalLM`` (`_autotp_worker.FULL`: hidden
+Every row trains the same ~32M-parameter ``LlamaForCausalLM`` (`_autotp_worker.FULL`: hidden
 512, intermediate 1408, 8 layers, 8 query / 4 KV heads, vocabulary 8192, untied; fp32 on CPU,
 one thread per rank) from the same seed, on the same batch of 2 x 128 tokens per step on both
 ranks (a tensor-parallel group shares its batch), with AdamW (lr 1e-4, weight decay 0.01) and

@@ -108,5 +108,6 @@ def test_ratios_follow_from_the_rows_and_carry_a_verdict(output: str) -> None:
             assert (match["verdict"] == "MET") == met, match[0]
             if not met:
                 missed = float(match["verdict"].split()[-1])
-                assert missed == pytest.approx(float(match["ratio"]) - float(match["target"]),
-                                               abs=1.5e-3), match[0]
+                assert missed == pytest.approx(
+                    float(match["ratio"]) - float(match["target"]), abs=1.5e-3
+                ), match[0]

@@ -19,6 +19,7 @@ Memory, per rank (the report takes the larger rank):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -215,10 +216,8 @@ def _status_kib(field: str) -> int | None:
 
 
 def _reset_peak_rss() -> None:
-    try:
+    with contextlib.suppress(OSError):  # not Linux, or not allowed: the peak is since start
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def _train(job: RankJob) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """AutoTP training step and memory: DeepShard TP=2 vs DeepSpeed AutoTP=2 and DTensor, 2 gloo ranks.
 
     uv run --all-packages --group bench python tools/bench/autotp.py [--quick]
-        [--steps 3] [--warmup 1] [--rounds 2] [--rows deepshard-tp2,...] [--json OUT]
+        [--steps 4] [--warmup 1] [--rounds 3] [--rows deepshard-tp2,...] [--json OUT]
 
 Every row trains the same ~32M-parameter ``LlamaForCausalLM`` (`_autotp_worker.FULL`: hidden
 512, intermediate 1408, 8 layers, 8 query / 4 KV heads, vocabulary 8192, untied; fp32 on CPU,
@@ -80,14 +80,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line; ``--quick`` is the smoke size (the issue's tiny Llama, one round)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny Llama, 1 round of 1 + 2 steps")
-    parser.add_argument("--steps", type=int, help="timed steps per round (default 3)")
+    parser.add_argument("--steps", type=int, help="timed steps per round (default 4)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 1)")
-    parser.add_argument("--rounds", type=int, help="line-up repetitions (default 2)")
+    parser.add_argument("--rounds", type=int, help="line-up repetitions (default 3)")
     parser.add_argument("--rows", help=f"a subset of {','.join(ROWS)}")
     parser.add_argument("--json", type=Path, help="also write the ratios as JSON (for run.py)")
     args = parser.parse_args(argv)
     defaults = {"steps": 2, "rounds": 1} if args.quick else {}
-    for key, value in {"steps": 3, "warmup": 1, "rounds": 2, **defaults}.items():
+    for key, value in {"steps": 4, "warmup": 1, "rounds": 3, **defaults}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.rows = [r.strip() for r in args.rows.split(",")] if args.rows else list(ROWS)

@@ -20,6 +20,7 @@ Memory, per rank (the report takes the larger rank):
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import time
@@ -33,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
+GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+"""A rank whose peer died fails a collective after this instead of gloo's 30 minutes."""
 
 
 @dataclass(frozen=True)
@@ -270,7 +273,9 @@ def run_rank(job: RankJob) -> None:
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(job.store, job.world)
-        dist.init_process_group("gloo", store=store, rank=job.rank, world_size=job.world)
+        dist.init_process_group(
+            "gloo", store=store, rank=job.rank, world_size=job.world, timeout=GROUP_TIMEOUT
+        )
         report = _train(job)
         dist.barrier()
         dist.destroy_process_group()

@@ -59,6 +59,7 @@ import _bench_json
 ROWS = ("deepshard-tp2", "deepspeed-tp2", "dtensor-tp2", "unsharded")
 OURS = "deepshard-tp2"
 RANK_TIMEOUT_S = 900.0
+QUICK_RANK_TIMEOUT_S = 120.0
 MIB = float(1 << 20)
 # (theirs, row key, what, target): the ratios ``deepshard-tp2`` / ``theirs`` the report prints.
 CHECKS = (
@@ -113,7 +114,7 @@ def _run_row(ctx: Any, row: str, args: argparse.Namespace, folder: Path) -> list
     processes = [ctx.Process(target=_autotp_worker.run_rank, args=(job,)) for job in jobs]
     for process in processes:
         process.start()
-    deadline = time.monotonic() + RANK_TIMEOUT_S
+    deadline = time.monotonic() + (QUICK_RANK_TIMEOUT_S if args.quick else RANK_TIMEOUT_S)
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():

@@ -66,6 +66,7 @@ SUITES = (
     Suite("watchdog", "watchdog.py", (), ("--calls", "10", "--rounds", "3")),
     Suite("sequence_parallel", "sequence_parallel.py", (), ("--quick",)),
     Suite("checkpoint", "checkpoint.py", (), ("--quick",)),
+    Suite("autotp", "autotp.py", (), ("--quick",)),
 )  # fmt: skip
 BY_NAME = {suite.name: suite for suite in SUITES}
 

@@ -1,4 +1,4 @@
-"""AutoTP composed with activation checkpointing and bf16, through ``initialize``.
+"""AutoTP composed with activation checkpointing, bf16 and fp16, through ``initialize``.
 
 One ``run_on_mesh`` call on 2 gloo ranks (TP 2, DP 1) trains a tiny ``LlamaForCausalLM``
 several ways for `STEPS` AdamW steps with clipping, every rank on the same batch:
@@ -12,6 +12,8 @@ several ways for `STEPS` AdamW steps with clipping, every rank on the same batch
   decoder layer) with ``activation_checkpointing.partition_activations``: each tp rank keeps
   half of every layer input and all-gathers it before the recomputation.
 * ZeRO-1 bf16.
+* ZeRO-1 fp16 with a dynamic loss scale (2**8, hysteresis 1), whose step `FP16_POISONED`
+  overflows on TP rank 1 only (an inf in its slice of a row-parallel weight's gradient).
 
 fp32: recomputation replays the same kernels on the same inputs in the same order, so every
 checkpointed run must equal the baseline bit for bit (losses and every parameter shard;
@@ -34,10 +36,15 @@ Later steps start from weights that differ by the rounding of AdamW updates (the
 fp32, so only the cast to bf16 rounds: ``u/2`` of each weight), which adds the same order
 again: later steps are checked at ``8u``. The mechanics are checked directly: bf16 module
 parameters, fp32 masters and optimizer state, masters that carry more than bf16 precision.
+
+fp16 (``u = 2**-11``): the same rounding count, so the same bounds in fp16's ``u``, against a
+one-process fp16 reference that skips the same step; the loss scale's powers of two round
+nothing. Both TP ranks must skip the overflowed step and halve the scale together.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -54,6 +61,9 @@ FP32_ATOL = 1e-6
 EMBEDDING_ATOL = 1e-5
 """See the module docstring (``test_tp_llama_zero_matches_reference.py`` derives it)."""
 BF16_U = 2.0**-8
+FP16_U = 2.0**-11
+FP16_POISONED = 1
+"""The fp16 case's step whose gradient turns inf on TP rank 1 only (a row-parallel slice)."""
 SHAPE = {
     "vocab_size": 128,
     "hidden_size": 64,
@@ -80,14 +90,15 @@ def _batch(step: int) -> torch.Tensor:
 
 
 def _config(case: str) -> dict[str, Any]:
-    bf16 = case == "bf16"
+    bf16 = case in ("bf16", "fp16")  # ZeRO-1 for both 16-bit cases
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
         "zero_optimization": {"stage": 1 if bf16 else 2},
-        "bf16": {"enabled": bf16},
+        "bf16": {"enabled": case == "bf16"},
+        "fp16": {"enabled": case == "fp16", "initial_scale_power": 8, "hysteresis": 1},
         "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": case.endswith("overlap")},
     }
     if case.startswith("engine"):
@@ -116,13 +127,20 @@ def _train(mesh: Any, case: str) -> dict[str, Any]:
     engine = _build(mesh, case)
     engine.train()
     mlp_calls = _count_calls(engine.module, ".mlp")
-    losses = []
+    poison = torch.ones(())
+    if case == "fp16":  # a row-parallel slice: only this TP rank sees the overflow
+        engine.module.model.layers[0].mlp.down_proj.weight.register_hook(lambda g: g * poison)
+    losses, applied, scales = [], [], []
     for step in range(STEPS):
+        hit = step == FP16_POISONED and engine.parallel_dims.coordinate["tp"] == 1
+        poison.fill_(math.inf if hit and case == "fp16" else 1.0)
         ids = _batch(step)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        applied.append(engine.was_step_applied())
+        scales.append(engine.loss_scale)
     params = {
         n.replace(".module.", "."): p.detach().float().clone()
         for n, p in engine.module.named_parameters()
@@ -133,6 +151,7 @@ def _train(mesh: Any, case: str) -> dict[str, Any]:
         "tp": engine.parallel_dims.coordinate["tp"],
     }
     out["mlp_calls"] = len(mlp_calls)
+    out["applied"], out["scales"] = applied, scales
     out["overlap"] = {
         m.tp.overlap_comm
         for m in engine.module.modules()
@@ -176,11 +195,12 @@ def _bf16_mechanics(engine: Any) -> dict[str, bool]:
 
 
 def _all(mesh: Any) -> dict[str, dict[str, Any]]:
-    return {case: _train(mesh, case) for case in (*FP32_CASES, "bf16")}
+    return {case: _train(mesh, case) for case in (*FP32_CASES, "bf16", "fp16")}
 
 
-def _reference(dtype: torch.dtype) -> dict[str, Any]:
-    """One process, the model in ``dtype``, fp32 masters, AdamW and clipping."""
+def _reference(dtype: torch.dtype, *, skip: int | None = None) -> dict[str, Any]:
+    """One process, the model in ``dtype``, fp32 masters, AdamW and clipping; step ``skip``'s
+    update is not applied (the overflowed step of the fp16 case)."""
     model = _model().to(dtype)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
@@ -194,7 +214,8 @@ def _reference(dtype: torch.dtype) -> dict[str, Any]:
         for master, param in zip(masters, params, strict=True):
             master.grad, param.grad = param.grad.float(), None
         assert torch.nn.utils.clip_grad_norm_(masters, CLIP) > CLIP  # clipping acts
-        inner.step()
+        if step != skip:
+            inner.step()
         inner.zero_grad()
         with torch.no_grad():
             for master, param in zip(masters, params, strict=True):
@@ -274,3 +295,26 @@ def test_tp2_zero1_bf16_follows_a_bf16_reference(
         # Each rank holds its shards and the replicated tensors; the distance is a lower bound
         # on the full one, so it is compared against the whole reference travel's 30 %.
         assert off**0.5 < 0.3 * travel**0.5, (off**0.5, travel**0.5)
+
+
+def test_tp2_zero1_fp16_skips_an_overflow_seen_by_one_tp_rank(
+    results: list[dict[str, dict[str, Any]]],
+) -> None:
+    """fp16 with dynamic loss scaling: an inf in one TP rank's slice makes both ranks skip that
+    step and halve the scale (the overflow flag is combined over tp; a rank stepping alone
+    would desynchronise the replicated weights), and the run follows a one-process fp16
+    reference that skips the same step, within the bf16 case's bounds in fp16's ``u``."""
+    ref = _reference(torch.float16, skip=FP16_POISONED)
+    want = torch.tensor(ref["losses"], dtype=torch.float64)
+    applied = [step != FP16_POISONED for step in range(STEPS)]
+    scales = [2.0**8 if step < FP16_POISONED else 2.0**7 for step in range(STEPS)]
+    for per_rank in results:
+        got = per_rank["fp16"]
+        assert got["applied"] == applied and got["scales"] == scales, got["tp"]
+        losses = torch.tensor(got["losses"], dtype=torch.float64)
+        torch.testing.assert_close(losses[:1], want[:1], rtol=4 * FP16_U, atol=0.0)
+        torch.testing.assert_close(losses[1:], want[1:], rtol=8 * FP16_U, atol=0.0)
+    replicated = "model.norm.weight"  # whole on both TP ranks: must stay equal
+    assert torch.equal(
+        results[0]["fp16"]["params"][replicated], results[1]["fp16"]["params"][replicated]
+    )

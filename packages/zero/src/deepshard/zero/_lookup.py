@@ -38,7 +38,7 @@ def owner_or_slices(tensor: object, *, argument: str) -> ShardedModule | InitSli
             f"{argument}: expected a parameter (torch.Tensor), got {type(tensor).__name__}"
         )
     for hook in _hooks(tensor):
-        if isinstance(hook, ParamHook):
+        if isinstance(hook, ParamHook) and hook.sharded is not None:
             return hook.sharded
         if isinstance(hook, SliceHook):
             return hook.slices

@@ -22,6 +22,7 @@ Observers (the optimizer side) are told when a backward pass begins and ends.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -68,13 +69,26 @@ class ParamHook:
 
     Frozen parameters get one too (it never fires for them), so any owned parameter leads to
     its `ShardedModule` (`deepshard.zero._lookup`) without an attribute on the parameter.
+
+    It holds the `ShardedModule` weakly: a parameter's hooks are not visited by Python's cycle
+    collector while autograd's C++ side shares the tensor, so a strong reference here would
+    pin the model forever once the caller drops it. The model keeps the `ShardedModule` alive
+    through its units' forward hooks (`UnitHook`), so the reference is live while training.
     """
 
     def __init__(self, sharded: ShardedModule, index: int, slot_index: int) -> None:
-        self.sharded, self.index, self.slot_index = sharded, index, slot_index
+        self._sharded = weakref.ref(sharded)
+        self.index, self.slot_index = index, slot_index
+
+    @property
+    def sharded(self) -> ShardedModule | None:
+        """The owner, or ``None`` once the model (and with it the owner) was freed."""
+        return self._sharded()
 
     def __call__(self, param: torch.Tensor) -> None:
-        self.sharded._on_grad(self.index, self.slot_index, param)
+        sharded = self._sharded()
+        if sharded is not None:
+            sharded._on_grad(self.index, self.slot_index, param)
 
 
 class ShardedModule:

@@ -13,9 +13,9 @@ What is cut, and how:
   the next shard, which a shard-local shift would lose. The SP loss reads ``shift_labels``;
   ``labels`` stays so that Hugging Face models compute a loss at all.
 * ``position_ids`` (``arange(S)`` per row when the batch has none) are cut, so rotary
-  embeddings see global positions and attention can rebuild the whole sequence's mask.
+  embeddings see whole-sequence positions and attention can rebuild the whole sequence's mask.
 * A 2-D ``attention_mask`` is cut. Only right padding is accepted: attention is causal over
-  global positions, so padding after a token never reaches it, while left padding would need
+  whole-sequence positions, so padding after a token never reaches it, while left padding would need
   the whole mask inside every attention call. 4-D masks are refused (O(S²); pass position ids).
 * Every other tensor of shape ``[b, S, ...]`` is cut along dim 1; anything else is passed on.
 """

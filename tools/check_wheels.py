@@ -8,10 +8,11 @@ PEP 420 namespace, or a sibling dependency that was never declared. So this scri
    ``uv build --all-packages``;
 2. checks each archive: no ``deepshard/__init__.py``, exactly one package under ``deepshard/``,
    which carries ``py.typed``;
-3. for each wheel, creates a fresh venv in the temporary folder, installs that wheel plus the
-   sibling wheels its metadata requires (as files, so no registry can substitute a same-named
-   project), and imports the package from a working directory outside the repository, checking
-   that it was loaded from the venv and that its installed version is the workspace version.
+3. for each wheel (side by side, one per core), creates a fresh venv in the temporary folder,
+   installs that wheel plus the sibling wheels its metadata requires (as files, so no registry
+   can substitute a same-named project), and imports the package from a working directory
+   outside the repository, checking that it was loaded from the venv and that its installed
+   version is the workspace version.
 
 Third-party dependencies (pydantic, torch) come from the package index, limited by the root
 ``[tool.uv] exclude-newer`` like every other resolution in the workspace.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -31,6 +33,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from email.parser import Parser
 from pathlib import Path
@@ -204,20 +207,32 @@ def _check_light(wheel: Wheel, report: dict[str, Any]) -> None:
         raise WheelCheckError("deepshard-interface pulled torch into a fresh venv")
 
 
+def _check_one(wheel: Wheel, by_name: dict[str, Wheel], work: Path) -> tuple[str | None, float]:
+    start = time.monotonic()
+    try:
+        _check_light(wheel, install_and_import(wheel, by_name, work))
+    except WheelCheckError as error:
+        return str(error), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
 def _smoke_install(wheels: list[Wheel], only: set[str] | None, work: Path) -> list[str]:
     by_name = {wheel.name: wheel for wheel in wheels}
     selected = [w for w in wheels if only is None or w.name in only]
-    failures = []
     # Lightest first: a broken base package shows up before everything that depends on it.
-    for wheel in sorted(selected, key=lambda w: (len(_closure(w, by_name)), w.name)):
-        start = time.monotonic()
-        try:
-            _check_light(wheel, install_and_import(wheel, by_name, work))
-        except WheelCheckError as error:
-            failures.append(f"{wheel.name}: {error}")
-            print(f"FAIL {wheel.name:<24} ({time.monotonic() - start:.1f}s)\n{error}")
-            continue
-        print(f"ok   {wheel.name:<24} import {wheel.module} ({time.monotonic() - start:.1f}s)")
+    ordered = sorted(selected, key=lambda w: (len(_closure(w, by_name)), w.name))
+    # Each check is a fresh venv and a cold `import torch` (most of its time, CPU-bound and
+    # single-threaded), so they run side by side, one per core; reports keep the order above.
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        checks = [(w, pool.submit(_check_one, w, by_name, work)) for w in ordered]
+        failures = []
+        for wheel, check in checks:
+            error, took = check.result()
+            if error is not None:
+                failures.append(f"{wheel.name}: {error}")
+                print(f"FAIL {wheel.name:<24} ({took:.1f}s)\n{error}", flush=True)
+            else:
+                print(f"ok   {wheel.name:<24} import {wheel.module} ({took:.1f}s)", flush=True)
     return failures
 
 
@@ -231,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start = time.monotonic()
         wheels, _ = build_all(work / "dist")
-        print(f"built and checked {len(wheels)} wheels + sdists ({time.monotonic() - start:.1f}s)")
+        took = time.monotonic() - start
+        print(f"built and checked {len(wheels)} wheels + sdists ({took:.1f}s)", flush=True)
         failures = _smoke_install(wheels, set(args.only) if args.only else None, work)
     except WheelCheckError as error:
         failures = [str(error)]

@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 from deepshard.autotp import grain_split, kv_group_split
+from deepshard.testing import run_readme_example
 
 README = Path(__file__).parents[1] / "README.md"
 
 
-def test_the_readme_example_prints_its_plan(tmp_path: Path) -> None:
-    match = re.search(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
-    assert match, "the README has no python example"
-    script = tmp_path / "example.py"
-    script.write_text(match.group(1))
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    header, *lines, last = done.stdout.splitlines()
+def test_the_readme_example_prints_its_plan() -> None:
+    header, *lines, last = run_readme_example(README, timeout_s=120).splitlines()
     assert header == "AutoTP plan: tp_size=2, 6 modules"
     rows = {line.split()[0]: line.split(maxsplit=1)[1] for line in lines}
     # 12 query heads and 3 KV heads of 64: rank 0 holds two KV groups, rank 1 one.

@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from deepshard.testing import import_beside
 
 _probes = import_beside(__file__, "_probes.py")
@@ -91,6 +93,7 @@ def _wait(path: Path, timeout: float) -> dict[str, int]:
     return dict(json.loads(path.read_text()))
 
 
+@pytest.mark.slow
 def test_two_nodes_then_one(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -52,6 +52,7 @@ def _assert_all_gone(out: Path, within: float = 0.0) -> None:
     assert [pid for pid in pids if _probes.process_running(pid)] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "code", "words"),
     [
@@ -76,6 +77,7 @@ def test_a_failed_rank_stops_the_others_and_sets_the_code(
     assert "[rank 1] about to fail: the last words" in (tmp_path / "stdout").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_ds_launch_reaches_every_rank(tmp_path: Path, signum: int) -> None:
     launcher, out = _start(tmp_path, 2, FAIL_RANK="-1", FAIL_HOW="0")
@@ -91,6 +93,7 @@ def test_a_signal_to_ds_launch_reaches_every_rank(tmp_path: Path, signum: int) -
             assert f"[rank {rank}] KeyboardInterrupt" in stderr, stderr
 
 
+@pytest.mark.slow
 def test_killing_ds_launch_outright_leaves_nothing_behind(tmp_path: Path) -> None:
     launcher, out = _start(tmp_path, 2, FAIL_RANK="-1", FAIL_HOW="0")
     _probes.wait_for_files(out, "pids*", 2)

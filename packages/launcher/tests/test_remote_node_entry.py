@@ -56,6 +56,7 @@ def _pwned(*places: Path) -> list[Path]:
     return [found for place in places for found in place.glob("pwned*")]
 
 
+@pytest.mark.slow
 def test_remote_command_delivers_env_and_arguments_verbatim(tmp_path: Path) -> None:
     job, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
     for directory in (job, job / "out", elsewhere):
@@ -79,6 +80,7 @@ def test_remote_command_delivers_env_and_arguments_verbatim(tmp_path: Path) -> N
     assert _pwned(job, job / "out", elsewhere, tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("message", "code"), [(b"stop 2\n", 130), (b"", 143)], ids=["stop-2", "eof"]
 )
@@ -102,6 +104,7 @@ def test_node_entry_stops_on_its_stdin(tmp_path: Path, message: bytes, code: int
         assert b"KeyboardInterrupt" in node.stderr.read()  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_stop_job_signals_the_node_entries_of_that_job(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "failing.py").write_text(_probes.FAILING)
@@ -129,6 +132,7 @@ def _fake_ssh_env(tmp_path: Path, **remote: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_node_stops_every_node(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "failing.py").write_text(_probes.FAILING)
@@ -157,6 +161,7 @@ def test_a_failure_on_one_node_stops_every_node(tmp_path: Path) -> None:
     assert "[rank 2] about to fail: the last words" in done.stdout  # streamed from the node
 
 
+@pytest.mark.slow
 def test_ctrl_c_reaches_the_ranks_of_every_node(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "failing.py").write_text(_probes.FAILING)
@@ -194,6 +199,7 @@ raise ConfigError("train_batch_size: must be divisible by 3 ranks")
 """
 
 
+@pytest.mark.slow
 def test_a_remote_node_reports_its_ranks_config_error_once(tmp_path: Path) -> None:
     (tmp_path / "bad.py").write_text(CONFIG_ERROR)
     (tmp_path / "hostfile").write_text(TWO_NODES)

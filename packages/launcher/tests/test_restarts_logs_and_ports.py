@@ -8,6 +8,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from deepshard.testing import import_beside
 
 _probes = import_beside(__file__, "_probes.py")
@@ -49,6 +51,7 @@ def _job(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_restart_after_failure_moves_off_a_stuck_port_and_logs_per_rank(tmp_path: Path) -> None:
     job = _job(tmp_path)
     out, logs = job / "out", job / "logs"
@@ -97,6 +100,7 @@ def test_restart_after_failure_moves_off_a_stuck_port_and_logs_per_rank(tmp_path
         assert log.index("===== ds-launch: restart 1 =====") < log.index(f"rank {rank} attempt 1")
 
 
+@pytest.mark.slow
 def test_restarts_give_up_with_the_failed_code(tmp_path: Path) -> None:
     job = _job(tmp_path)
     done = _probes.ds_launch(
@@ -121,6 +125,7 @@ def test_restarts_give_up_with_the_failed_code(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_a_busy_port_is_replaced_by_a_free_one(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "probe.py").write_text(_probes.PROBE)

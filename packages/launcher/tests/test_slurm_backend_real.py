@@ -116,6 +116,7 @@ def _job_ids(cluster: Any) -> set[str]:
     return set(done.stdout.split())
 
 
+@pytest.mark.slow
 def test_slurm_two_ranks_all_reduce(cluster: Any, job: Path) -> None:
     hostfile = job / "hostfile"
     hostfile.write_text(f"{_slurm.NODE} slots=2\n")
@@ -139,6 +140,7 @@ def test_slurm_two_ranks_all_reduce(cluster: Any, job: Path) -> None:
     assert len({record["slurm_job_id"] for record in records}) == 1
 
 
+@pytest.mark.slow
 def test_slurm_refuses_a_slot_filter_before_launching(cluster: Any, job: Path) -> None:
     # srun places tasks by count only: it cannot start "slot 1 of localhost" and not slot 0.
     hostfile = job / "hostfile"

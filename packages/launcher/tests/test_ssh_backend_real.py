@@ -159,6 +159,7 @@ def _check_world(records: list[dict[str, Any]], local_world_sizes: list[int]) ->
         assert record["node"] == [str(node), str(len(local_world_sizes))]
 
 
+@pytest.mark.slow
 def test_one_ssh_node_two_ranks_all_reduce(sshd: Any, job: Path) -> None:
     _launch(job, sshd, ["127.0.0.1 slots=2"])
     records = _records(job, 2)
@@ -167,6 +168,7 @@ def test_one_ssh_node_two_ranks_all_reduce(sshd: Any, job: Path) -> None:
     assert {r["cwd"] for r in records} == {str(job / "work")}
 
 
+@pytest.mark.slow
 def test_two_ssh_nodes_one_rank_each_all_reduce(sshd: Any, job: Path) -> None:
     # Two names for the same sshd: to ds-launch they are two nodes with one slot each.
     _launch(job, sshd, ["localhost slots=1", "127.0.0.1 slots=1"])
@@ -181,6 +183,7 @@ def _pwned_files(places: list[Path]) -> list[Path]:
     return found
 
 
+@pytest.mark.slow
 def test_env_and_arguments_arrive_verbatim_over_ssh(sshd: Any, job: Path) -> None:
     places = [
         job,

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import re
 from pathlib import Path
+
+from deepshard.testing import readme_example_code, run_readme_example
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_readme_first_python_block_runs() -> None:
-    text = README.read_text(encoding="utf-8")
-    assert "pip install deepshard-optimizers" in text
-    match = re.search(r"```python\n(.*?)```", text, re.DOTALL)
-    assert match is not None, "the README has no python example"
-    code = match.group(1)
-    output = io.StringIO()
-    with contextlib.redirect_stdout(output):
-        exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})
+    assert "pip install deepshard-optimizers" in README.read_text(encoding="utf-8")
+    code = readme_example_code(README)
     promised = [line.removeprefix("# ") for line in code.splitlines() if line.startswith("# {")]
-    assert output.getvalue().strip().splitlines() == promised
+    assert run_readme_example(README, in_process=True).strip().splitlines() == promised

@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
+
+from deepshard.testing import run_readme_example
 
 README = Path(__file__).parents[1] / "README.md"
 
 
-def test_the_readme_example_prints_its_numbers(tmp_path: Path) -> None:
-    match = re.search(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
-    assert match, "the README has no python example"
-    script = tmp_path / "example.py"
-    script.write_text(match.group(1))
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+def test_the_readme_example_prints_its_numbers() -> None:
+    out = run_readme_example(README, timeout_s=120)
     forward = 2 * 32 * 64 * 192 + 2 * 2 * 4 * 16 * 16 * (16 + 16)
     # Backward: the projection's weight gradient (its input needs none) and SDPA's five products.
     backward = 2 * 32 * 64 * 192 + 2 * 2 * 4 * 16 * 16 * (3 * 16 + 2 * 16)
-    assert done.stdout.splitlines()[0] == f"{forward} {backward}"
-    assert "DeepShard FLOPs profiler" in done.stdout
+    assert out.splitlines()[0] == f"{forward} {backward}"
+    assert "DeepShard FLOPs profiler" in out

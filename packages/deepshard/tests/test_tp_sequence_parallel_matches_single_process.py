@@ -150,11 +150,20 @@ def _check_params(got: dict[str, Any], ref: dict[str, Any], tp_rank: int, what: 
     return split
 
 
+def _valid_per_half(labels: torch.Tensor) -> tuple[int, int]:
+    """Valid next-token labels in each sp rank's half (labels shift on the whole sequence)."""
+    valid = labels[:, 1:] != -100
+    return int(valid[:, : SEQ // 2].sum()), int(valid[:, SEQ // 2 :].sum())
+
+
 def test_tp2_sp2_llama_matches_one_process(tmp_path: Path) -> None:
     results = run_on_mesh(
         _train, 4, topology=Topology(tp=2, sp=2), store_dir=tmp_path, timeout_s=300
     )
     ref = _reference()
+    for batch in ref["batches"]:  # a mean of per-shard means would be wrong on every step
+        first, second = _valid_per_half(batch["labels"])
+        assert first != second, (first, second)
     initial = dict(_llama().named_parameters())
     assert max(float((ref["params"][n] - p).detach().norm()) for n, p in initial.items()) > 1e-3
     for rank in results:

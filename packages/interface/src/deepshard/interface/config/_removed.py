@@ -59,6 +59,10 @@ REFUSED_KEYS: Mapping[str, str] = MappingProxyType(
         "implementation; remove the key, stage 1 always uses the current one",
         "zero_optimization.zenflow": f"{_NOT_CARRIED} ZenFlow; use "
         'zero_optimization.offload_optimizer {"device": "cpu"} instead',
+        # not a DeepSpeed key: the ring (context-parallel) mode a DeepShard issue proposed
+        "sequence_parallel.sp_mode": f'{_NOT_CARRIED} sp_mode "ring": PyTorch\'s context '
+        "parallelism runs only the CUDA attention kernels, so it cannot run (nor be tested) on "
+        "gloo/CPU; sequence_parallel_size always means Ulysses, remove the key",
     }
 )
 """Refused keys by DeepSpeed key path, with the reason and the replacement."""

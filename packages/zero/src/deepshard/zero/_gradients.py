@@ -19,6 +19,14 @@ reductions overlap with the rest of backward.
 
 Buckets whose parameters got no gradient are reduced at the end of the pass with zeros there.
 
+**A group of one rank** (pure tensor parallelism, where the dense data-parallel group is one rank
+per TP slice, or a world of one) has nothing to combine, so its layouts skip the reduction
+entirely (`GradientStore.solo`): no staging copy, no cast to the communication dtype, no
+collective. Stage 0 and 1 gradients stay in the accumulation buffer, which at stage 1 is also the
+(whole, fp32) partition when the buffer is fp32; stage 2 adds each gradient straight into its
+partition accumulator, which is then the whole layout. The norm, clipping and overflow check read
+the same partitions as before (`partition_grads`).
+
 These stores see only ordinary param groups: the groups under a full-gradient transform (Muon)
 have a store of their own, `deepshard.zero._full_grad_store.FullGroupGradients`, and
 `deepshard.zero._full_grad_store.SplitGradients` routes each group to its store.
@@ -109,6 +117,10 @@ def _fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
+def _done() -> None:
+    """The finish of a bucket that needs no reduction (a group of one rank)."""
+
+
 class GradientStore(ABC):
     """What the stores share: settings, the bucket scheduler, and the interface the optimizer uses.
 
@@ -137,6 +149,8 @@ class GradientStore(ABC):
         order = launch_order(layouts, settings.param_positions)
         self.scheduler = BucketScheduler(order, members, self._launch, max_inflight)
         self.rank = resolve_group(settings.group).rank()
+        self.solo = [resolve_group(settings.group_of(g)).size() == 1 for g in range(len(layouts))]
+        """Per layout: its group is one rank, so its gradients are never reduced."""
 
     @abstractmethod
     def begin(self, *, boundary: bool) -> None:
@@ -238,7 +252,10 @@ class AccumulatedGradients(GradientStore):
         self.scheduler.begin(reducing=boundary)
         if boundary and self.partitioned:
             self.partitions = [
-                self._zeros(lay.partition_numel, torch.float32) for lay in self.layouts
+                buffer
+                if solo and buffer.dtype == torch.float32  # one rank: the buffer is the partition
+                else self._zeros(lay.partition_numel, torch.float32)
+                for lay, buffer, solo in zip(self.layouts, self.buffers, self.solo, strict=True)
             ]
 
     def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
@@ -254,6 +271,10 @@ class AccumulatedGradients(GradientStore):
             assert self.partitions is not None, "begin(boundary=True) allocates the partitions"
             chunk = layout.chunk_numel(bucket)
             target = self.partitions[g][bucket.local_start : bucket.local_start + chunk]
+        if self.solo[g]:
+            if self.partitioned and target.data_ptr() != view.data_ptr():
+                target.copy_(view)  # a non-fp32 buffer into its fp32 partition
+            return _done
         comm = view.to(self.comm_dtypes[g])  # the view itself when the dtypes agree
         if not self.partitioned:
             target = view
@@ -323,6 +344,10 @@ class PartitionedGradients(GradientStore):
 
     def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
         key = (group_index, slot.bucket)
+        if self.solo[group_index]:  # one rank: the partition is the whole layout
+            self.accumulators[group_index][slot.offset : slot.stop].add_(grad.reshape(-1))
+            self.scheduler.arrived(key, slot.index)
+            return
         bucket = self.layouts[group_index].buckets[slot.bucket]
         staging = self.staging.get(key)
         if staging is None:
@@ -334,6 +359,8 @@ class PartitionedGradients(GradientStore):
 
     def _launch(self, key: BucketKey) -> Finish:
         g, b = key
+        if self.solo[g]:
+            return _done
         layout = self.layouts[g]
         bucket = layout.buckets[b]
         start = bucket.local_start

@@ -12,7 +12,12 @@ reductions overlap with the rest of backward.
 * `PartitionedGradients` (stage 2) keeps only this rank's partition, in the accumulation dtype.
   Every micro-step, each bucket's gradients are copied into a bucket-sized staging tensor (in
   the communication dtype), reduce-scattered, and the chunk is added to the partition; the
-  staging tensor is then freed. So gradients are reduced at every micro-step, as DeepSpeed's
+  staging tensor then goes back to a pool that the pass's later buckets of the same size reuse
+  and that is freed when the pass ends. A staging tensor is never zero-filled: each parameter's
+  first gradient of the pass is copied into its slot, the padding between slots is zeroed when
+  the tensor is taken, and the slots of parameters that got no gradient when the bucket is
+  launched (a fresh 16 MiB ``torch.zeros`` per bucket and pass cost ~10 ms on the bench box,
+  page faults included). So gradients are reduced at every micro-step, as DeepSpeed's
   stage 2 does, and no rank ever holds more than a few buckets of full gradients. With
   ``overlap_comm`` the reductions run asynchronously, at most two in flight; without it each
   runs to completion inside the hook.
@@ -42,7 +47,7 @@ import torch
 
 from deepshard.comm import CommsLogger, Group, resolve_group
 from deepshard.zero._scheduler import BucketScheduler, Finish
-from deepshard.zero.layout import FlatLayout, ParamSlot
+from deepshard.zero.layout import Bucket, FlatLayout, ParamSlot
 from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket
 
 __all__ = [
@@ -119,6 +124,19 @@ def _fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 def _done() -> None:
     """The finish of a bucket that needs no reduction (a group of one rank)."""
+
+
+def _padding(layout: FlatLayout, bucket: Bucket) -> list[tuple[int, int]]:
+    """The ranges of ``bucket`` (from its start) that no parameter's slot covers."""
+    gaps, at = [], 0
+    for slot in sorted((layout.slots[i] for i in bucket.slots), key=lambda s: s.offset):
+        lo = slot.offset - bucket.start
+        if lo > at:
+            gaps.append((at, lo))
+        at = max(at, lo + slot.numel)
+    if at < bucket.numel:
+        gaps.append((at, bucket.numel))
+    return gaps
 
 
 class GradientStore(ABC):
@@ -338,6 +356,8 @@ class PartitionedGradients(GradientStore):
             for layout, dtype in zip(self.layouts, self.accum_dtypes, strict=True)
         ]
         self.staging: dict[BucketKey, torch.Tensor] = {}
+        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._gaps = [[_padding(layout, b) for b in layout.buckets] for layout in self.layouts]
 
     def begin(self, *, boundary: bool) -> None:
         self.scheduler.begin(reducing=True)
@@ -351,11 +371,27 @@ class PartitionedGradients(GradientStore):
         bucket = self.layouts[group_index].buckets[slot.bucket]
         staging = self.staging.get(key)
         if staging is None:
-            staging = self._zeros(bucket.numel, self.comm_dtypes[group_index])
+            staging = self._take(key)
             self.staging[key] = staging
         start = slot.offset - bucket.start
-        staging[start : start + slot.numel].add_(grad.reshape(-1))
+        piece = staging[start : start + slot.numel]
+        if self.scheduler.has_arrived(key, slot.index):  # a second gradient in one pass
+            piece.add_(grad.reshape(-1))
+        else:
+            piece.copy_(grad.reshape(-1))
         self.scheduler.arrived(key, slot.index)
+
+    def _take(self, key: BucketKey) -> torch.Tensor:
+        """A staging tensor for bucket ``key`` from the pool (else a new one), padding zeroed."""
+        g, b = key
+        size = (self.layouts[g].buckets[b].numel, self.comm_dtypes[g])
+        free = self._pool.get(size)
+        staging = (
+            free.pop() if free else torch.empty(size[0], dtype=size[1], device=self.settings.device)
+        )
+        for lo, hi in self._gaps[g][b]:
+            staging[lo:hi].zero_()
+        return staging
 
     def _launch(self, key: BucketKey) -> Finish:
         g, b = key
@@ -367,13 +403,21 @@ class PartitionedGradients(GradientStore):
         target = self.accumulators[g][start : start + layout.chunk_numel(bucket)]
         staging = self.staging.pop(key, None)
         if staging is None:  # no parameter of the bucket got a gradient in this pass
-            staging = self._zeros(bucket.numel, self.comm_dtypes[g])
+            staging = self._take(key)
+        for index in self.scheduler.absent(key, bucket.members):  # they count as zeros
+            slot = layout.slots[index]
+            staging[slot.offset - bucket.start : slot.stop - bucket.start].zero_()
         pending = self._reduce(staging, g, scatter=True, async_op=self.overlap)
 
         def finish() -> None:
             target.add_(pending.wait())
+            self._pool.setdefault((staging.numel(), staging.dtype), []).append(staging)
 
         return finish
+
+    def finish(self) -> None:
+        super().finish()
+        self._pool.clear()  # staging lives for one pass only
 
     def partition_grads(self) -> list[torch.Tensor]:
         return [_fp32(acc) for acc in self.accumulators]
@@ -382,6 +426,7 @@ class PartitionedGradients(GradientStore):
         for acc in self.accumulators:
             acc.zero_()
         self.staging.clear()
+        self._pool.clear()
 
     def tensors(self) -> list[torch.Tensor]:
         return self.accumulators + list(self.staging.values())

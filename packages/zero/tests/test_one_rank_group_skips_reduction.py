@@ -68,7 +68,7 @@ def _train_tp(mesh: Any, stage: int) -> dict[str, Any]:
         "norms": norms,
         "params": _params(model),
         "tp": tp_rank,
-        **{"records": records},
+        "records": records,
     }
 
 

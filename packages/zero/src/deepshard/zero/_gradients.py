@@ -12,12 +12,25 @@ reductions overlap with the rest of backward.
 * `PartitionedGradients` (stage 2) keeps only this rank's partition, in the accumulation dtype.
   Every micro-step, each bucket's gradients are copied into a bucket-sized staging tensor (in
   the communication dtype), reduce-scattered, and the chunk is added to the partition; the
-  staging tensor is then freed. So gradients are reduced at every micro-step, as DeepSpeed's
+  staging tensor then goes back to a pool that the pass's later buckets of the same size reuse
+  and that is freed when the pass ends. A staging tensor is never zero-filled: each parameter's
+  first gradient of the pass is copied into its slot, the padding between slots is zeroed when
+  the tensor is taken, and the slots of parameters that got no gradient when the bucket is
+  launched (a fresh 16 MiB ``torch.zeros`` per bucket and pass cost ~10 ms on the bench box,
+  page faults included). So gradients are reduced at every micro-step, as DeepSpeed's
   stage 2 does, and no rank ever holds more than a few buckets of full gradients. With
   ``overlap_comm`` the reductions run asynchronously, at most two in flight; without it each
   runs to completion inside the hook.
 
 Buckets whose parameters got no gradient are reduced at the end of the pass with zeros there.
+
+**A group of one rank** (pure tensor parallelism, where the dense data-parallel group is one rank
+per TP slice, or a world of one) has nothing to combine, so its layouts skip the reduction
+entirely (`GradientStore.solo`): no staging copy, no cast to the communication dtype, no
+collective. Stage 0 and 1 gradients stay in the accumulation buffer, which at stage 1 is also the
+(whole, fp32) partition when the buffer is fp32; stage 2 adds each gradient straight into its
+partition accumulator, which is then the whole layout. The norm, clipping and overflow check read
+the same partitions as before (`partition_grads`).
 
 These stores see only ordinary param groups: the groups under a full-gradient transform (Muon)
 have a store of their own, `deepshard.zero._full_grad_store.FullGroupGradients`, and
@@ -34,7 +47,7 @@ import torch
 
 from deepshard.comm import CommsLogger, Group, resolve_group
 from deepshard.zero._scheduler import BucketScheduler, Finish
-from deepshard.zero.layout import FlatLayout, ParamSlot
+from deepshard.zero.layout import Bucket, FlatLayout, ParamSlot
 from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket
 
 __all__ = [
@@ -109,6 +122,23 @@ def _fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
+def _done() -> None:
+    """The finish of a bucket that needs no reduction (a group of one rank)."""
+
+
+def _padding(layout: FlatLayout, bucket: Bucket) -> list[tuple[int, int]]:
+    """The ranges of ``bucket`` (from its start) that no parameter's slot covers."""
+    gaps, at = [], 0
+    for slot in sorted((layout.slots[i] for i in bucket.slots), key=lambda s: s.offset):
+        lo = slot.offset - bucket.start
+        if lo > at:
+            gaps.append((at, lo))
+        at = max(at, lo + slot.numel)
+    if at < bucket.numel:
+        gaps.append((at, bucket.numel))
+    return gaps
+
+
 class GradientStore(ABC):
     """What the stores share: settings, the bucket scheduler, and the interface the optimizer uses.
 
@@ -137,6 +167,8 @@ class GradientStore(ABC):
         order = launch_order(layouts, settings.param_positions)
         self.scheduler = BucketScheduler(order, members, self._launch, max_inflight)
         self.rank = resolve_group(settings.group).rank()
+        self.solo = [resolve_group(settings.group_of(g)).size() == 1 for g in range(len(layouts))]
+        """Per layout: its group is one rank, so its gradients are never reduced."""
 
     @abstractmethod
     def begin(self, *, boundary: bool) -> None:
@@ -238,7 +270,10 @@ class AccumulatedGradients(GradientStore):
         self.scheduler.begin(reducing=boundary)
         if boundary and self.partitioned:
             self.partitions = [
-                self._zeros(lay.partition_numel, torch.float32) for lay in self.layouts
+                buffer
+                if solo and buffer.dtype == torch.float32  # one rank: the buffer is the partition
+                else self._zeros(lay.partition_numel, torch.float32)
+                for lay, buffer, solo in zip(self.layouts, self.buffers, self.solo, strict=True)
             ]
 
     def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
@@ -254,6 +289,10 @@ class AccumulatedGradients(GradientStore):
             assert self.partitions is not None, "begin(boundary=True) allocates the partitions"
             chunk = layout.chunk_numel(bucket)
             target = self.partitions[g][bucket.local_start : bucket.local_start + chunk]
+        if self.solo[g]:
+            if self.partitioned and target.data_ptr() != view.data_ptr():
+                target.copy_(view)  # a non-fp32 buffer into its fp32 partition
+            return _done
         comm = view.to(self.comm_dtypes[g])  # the view itself when the dtypes agree
         if not self.partitioned:
             target = view
@@ -317,36 +356,68 @@ class PartitionedGradients(GradientStore):
             for layout, dtype in zip(self.layouts, self.accum_dtypes, strict=True)
         ]
         self.staging: dict[BucketKey, torch.Tensor] = {}
+        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._gaps = [[_padding(layout, b) for b in layout.buckets] for layout in self.layouts]
 
     def begin(self, *, boundary: bool) -> None:
         self.scheduler.begin(reducing=True)
 
     def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
         key = (group_index, slot.bucket)
+        if self.solo[group_index]:  # one rank: the partition is the whole layout
+            self.accumulators[group_index][slot.offset : slot.stop].add_(grad.reshape(-1))
+            self.scheduler.arrived(key, slot.index)
+            return
         bucket = self.layouts[group_index].buckets[slot.bucket]
         staging = self.staging.get(key)
         if staging is None:
-            staging = self._zeros(bucket.numel, self.comm_dtypes[group_index])
+            staging = self._take(key)
             self.staging[key] = staging
         start = slot.offset - bucket.start
-        staging[start : start + slot.numel].add_(grad.reshape(-1))
+        piece = staging[start : start + slot.numel]
+        if self.scheduler.has_arrived(key, slot.index):  # a second gradient in one pass
+            piece.add_(grad.reshape(-1))
+        else:
+            piece.copy_(grad.reshape(-1))
         self.scheduler.arrived(key, slot.index)
+
+    def _take(self, key: BucketKey) -> torch.Tensor:
+        """A staging tensor for bucket ``key`` from the pool (else a new one), padding zeroed."""
+        g, b = key
+        size = (self.layouts[g].buckets[b].numel, self.comm_dtypes[g])
+        free = self._pool.get(size)
+        staging = (
+            free.pop() if free else torch.empty(size[0], dtype=size[1], device=self.settings.device)
+        )
+        for lo, hi in self._gaps[g][b]:
+            staging[lo:hi].zero_()
+        return staging
 
     def _launch(self, key: BucketKey) -> Finish:
         g, b = key
+        if self.solo[g]:
+            return _done
         layout = self.layouts[g]
         bucket = layout.buckets[b]
         start = bucket.local_start
         target = self.accumulators[g][start : start + layout.chunk_numel(bucket)]
         staging = self.staging.pop(key, None)
         if staging is None:  # no parameter of the bucket got a gradient in this pass
-            staging = self._zeros(bucket.numel, self.comm_dtypes[g])
+            staging = self._take(key)
+        for index in self.scheduler.absent(key, bucket.members):  # they count as zeros
+            slot = layout.slots[index]
+            staging[slot.offset - bucket.start : slot.stop - bucket.start].zero_()
         pending = self._reduce(staging, g, scatter=True, async_op=self.overlap)
 
         def finish() -> None:
             target.add_(pending.wait())
+            self._pool.setdefault((staging.numel(), staging.dtype), []).append(staging)
 
         return finish
+
+    def finish(self) -> None:
+        super().finish()
+        self._pool.clear()  # staging lives for one pass only
 
     def partition_grads(self) -> list[torch.Tensor]:
         return [_fp32(acc) for acc in self.accumulators]
@@ -355,6 +426,7 @@ class PartitionedGradients(GradientStore):
         for acc in self.accumulators:
             acc.zero_()
         self.staging.clear()
+        self._pool.clear()
 
     def tensors(self) -> list[torch.Tensor]:
         return self.accumulators + list(self.staging.values())

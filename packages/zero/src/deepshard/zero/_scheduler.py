@@ -79,6 +79,15 @@ class BucketScheduler(Generic[K]):
         if self._reducing:
             self._launch_ready()
 
+    def has_arrived(self, key: K, member: int) -> bool:
+        """Whether parameter ``member`` of bucket ``key`` already has a gradient in this pass."""
+        return member in self._arrived[key]
+
+    def absent(self, key: K, members: Sequence[int]) -> list[int]:
+        """Those of ``members`` (bucket ``key``'s) with no gradient yet in this pass."""
+        seen = self._arrived[key]
+        return [m for m in members if m not in seen]
+
     def missing(self) -> list[tuple[K, int]]:
         """Buckets and how many of their parameters got no gradient in this pass."""
         return [

@@ -14,7 +14,9 @@ every stage (DeepSpeed itself refuses some combinations at stages 1-2; here they
   written back into the gradient storage (``None``: reduce in the gradients' own dtype).
 
 A reduction is a function of (tensors, group) returning a `PendingReduction`; its ``wait()``
-finishes the collective and applies the post-scaling.
+finishes the collective and applies the post-scaling. Over a group of one rank nothing is
+combined (the factors before and after multiply to 1), so no collective is issued and the bucket
+is its own result.
 """
 
 from __future__ import annotations
@@ -167,6 +169,8 @@ def reduce_bucket(
     """
     pg = resolve_group(group)
     size, rank = pg.size(), pg.rank()
+    if size == 1:  # nothing to combine; the pre- and post-factors multiply to 1
+        return PendingReduction(CommHandle(bucket), 1.0)
     pre = reduction.pre_factor(size)
     if pre != 1.0:
         bucket.mul_(pre)

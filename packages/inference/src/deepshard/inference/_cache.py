@@ -47,7 +47,8 @@ def head_dim_of(config: Any) -> int:
     )
     if not hidden or not heads:
         raise ConfigError(
-            f"{type(config).__name__} has neither head_dim nor hidden_size and num_attention_heads; "
+            f"{type(config).__name__} has neither head_dim nor hidden_size and "
+            "num_attention_heads; "
             "cannot size a KV cache for it"
         )
     return int(hidden) // int(heads)

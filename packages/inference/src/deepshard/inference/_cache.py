@@ -87,6 +87,9 @@ class _RowLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         keys[index] = key_states.transpose(1, 2).to(keys.dtype)
         values[index] = value_states.transpose(1, 2).to(values.dtype)
         self.updates += 1
+        prefix = self.owner.prefix()
+        if prefix is not None:  # rows 0..n-1: views, no gather copy
+            return keys[:prefix, :, :kv_len], values[:prefix, :, :kv_len]
         return keys[rows, :, :kv_len], values[rows, :, :kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -135,6 +138,7 @@ class StaticKVCache(Cache):
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self._rows = torch.arange(batch_size, device=device)
         self._kv_len = max_len
+        self._prefix: int | None = batch_size
 
     @classmethod
     def for_model(
@@ -188,7 +192,13 @@ class StaticKVCache(Cache):
         """
         device = self.lengths.device
         self._rows = torch.as_tensor(rows, dtype=torch.int64, device=device).reshape(-1)
+        listed = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        self._prefix = len(listed) if listed == list(range(len(listed))) else None
         self._kv_len = self.max_len if kv_len is None else min(int(kv_len), self.max_len)
+
+    def prefix(self) -> int | None:
+        """``n`` when the last `select` chose rows ``0..n-1`` in order, else ``None``."""
+        return self._prefix
 
     def selected(self) -> tuple[torch.Tensor, int]:
         """Returns the rows and the attended length chosen by the last `select`."""

@@ -164,8 +164,6 @@ class _BatchLoop:
             if decoding:
                 self._decode(decoding)
             finished = [rid for rid, _ in active if rid in self.eos_hit]
-            if self.profile is not None:
-                self.profile.tokens(len(active))
         return [
             GenerationResult(rid, tuple(self.tokens[rid]), rid in self.eos_hit)
             for rid in self.order
@@ -248,6 +246,8 @@ class _BatchLoop:
     def _take(self, rids: list[Hashable], logits: torch.Tensor) -> None:
         """Appends each row's next token (argmax or its own draw) and notes EOS hits."""
         greedy = torch.argmax(logits, dim=-1).tolist()
+        if self.profile is not None:  # the first prefill's token sets the time to first token
+            self.profile.tokens(len(rids))
         for index, rid in enumerate(rids):
             request = self.requests[rid]
             if request.do_sample:

@@ -88,4 +88,6 @@ def test_tp2_generate_matches_hf_and_checkpoints_load(tmp_path: Path) -> None:
             ref = result[f"{kind}_logits_ref"]
             assert not torch.allclose(_model(kind, seed=7)(_batch()[0]).logits, ref[:, :, :])
             for tp in (1, 2):
-                torch.testing.assert_close(result[f"{kind}_logits_tp{tp}"], ref, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(
+                    result[f"{kind}_logits_tp{tp}"], ref, rtol=1e-5, atol=1e-5
+                )

@@ -33,7 +33,9 @@ def test_one_token_and_deepspeed_spellings_are_accepted() -> None:
     assert (config.max_out_tokens, config.min_out_tokens, config.dtype) == (1, 0, "bf16")
     assert config.tensor_parallel.tp_size == 2
     assert InferenceConfig(tp={"tp_size": 3}).tensor_parallel.size == 3
-    assert InferenceConfig(tensor_parallel={"tp_size": 3, "enabled": False}).tensor_parallel.size == 1
+    assert (
+        InferenceConfig(tensor_parallel={"tp_size": 3, "enabled": False}).tensor_parallel.size == 1
+    )
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ def test_a_changed_table_makes_the_readme_stale(tmp_path: Path) -> None:
     for relative in tool.REGIONS:
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         text = (REPO / relative).read_text()
-        (tmp_path / relative).write_text(text.replace("| planned |", "| available |", 1))
+        (tmp_path / relative).write_text(text.replace("| partial |", "| available |", 1))
     assert tool.stale_files(tmp_path) == ["README.md", "docs/index.md"]
 
 

@@ -1,12 +1,14 @@
 """``deepshard.engine.init_inference`` at TP 2 on 2 gloo ranks: tiny Llama and Qwen3 generate, token
 for token, what the unsharded model's Hugging Face ``generate`` does (16 new tokens, a left-padded
 batch of 3 prompts of different lengths); a safetensors folder from ``save_pretrained`` loaded at
-TP 1 and TP 2 gives the original model's logits.
+TP 1 and TP 2 gives the original model's logits; sampling without a seed gives the same tokens
+on both ranks.
 """
 
 from __future__ import annotations
 
 import copy
+import random
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,12 @@ def _ranks(mesh: Any, checkpoints: dict[str, str]) -> dict[str, Any]:
         )
         out[f"{kind}_kv_heads"] = engine._parallel.kv_heads
         out[f"{kind}_tp"] = engine.generate(ids, mask, max_new_tokens=16, pad_token_id=PAD)
+        # No seed given: each rank draws its own (made to differ here), the group's first
+        # rank's is used by all.
+        random.seed(1000 + mesh.get_rank())
+        out[f"{kind}_sampled"] = engine.generate(
+            ids, mask, max_new_tokens=8, pad_token_id=PAD, do_sample=True, top_k=20
+        )
         with torch.no_grad():
             out[f"{kind}_hf"] = reference.generate(
                 ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD
@@ -78,6 +86,8 @@ def test_tp2_generate_matches_hf_and_checkpoints_load(tmp_path: Path) -> None:
     results = run_on_mesh(
         _ranks, 2, topology=Topology(tp=2), args=(checkpoints,), store_dir=tmp_path, timeout_s=120
     )
+    for kind in ("llama", "qwen3"):
+        assert torch.equal(results[0][f"{kind}_sampled"], results[1][f"{kind}_sampled"]), kind
     for rank, result in enumerate(results):
         for kind in ("llama", "qwen3"):
             assert result[f"{kind}_kv_heads"] == 1, (rank, kind)
@@ -88,4 +98,6 @@ def test_tp2_generate_matches_hf_and_checkpoints_load(tmp_path: Path) -> None:
             ref = result[f"{kind}_logits_ref"]
             assert not torch.allclose(_model(kind, seed=7)(_batch()[0]).logits, ref[:, :, :])
             for tp in (1, 2):
-                torch.testing.assert_close(result[f"{kind}_logits_tp{tp}"], ref, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(
+                    result[f"{kind}_logits_tp{tp}"], ref, rtol=1e-5, atol=1e-5
+                )

@@ -20,7 +20,7 @@ from deepshard.comm import build_mesh
 from deepshard.inference import InferenceConfig, InferenceEngine, head_dim_of
 from deepshard.inference import init_inference as _init_inference
 from deepshard.interface import ConfigError, ParallelizedModel, Topology
-from deepshard.interface.config import TensorParallelConfig
+from deepshard.interface.config import TensorParallelConfig, TpSizeConfig
 
 __all__ = ["AutoTPParallelizer", "init_inference"]
 
@@ -69,7 +69,7 @@ class AutoTPParallelizer:
     def parallelize(self, model: Any, tp_size: int, tp_grain_size: int) -> ParallelizedModel:
         """Splits ``model`` with AutoTP over ``tp_size`` ranks (see the protocol)."""
         section = TensorParallelConfig(
-            autotp_size=tp_size, tp={"tp_size": tp_size, "tp_grain_size": tp_grain_size}
+            autotp_size=tp_size, tp=TpSizeConfig(tp_size=tp_size, tp_grain_size=tp_grain_size)
         )
         split = parallelize(model, self._tp_mesh(tp_size), section)
         group = tp_state(split).tp

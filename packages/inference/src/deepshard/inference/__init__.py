@@ -9,7 +9,6 @@ own static KV cache.
 
 from __future__ import annotations
 
-from deepshard.interface.config import InferenceConfig, InferenceTensorParallelConfig
 from deepshard.inference._cache import StaticKVCache, head_dim_of
 from deepshard.inference._checkpoint import load_checkpoint
 from deepshard.inference._engine import InferenceEngine, init_inference
@@ -18,6 +17,7 @@ from deepshard.inference._profile import GenerationProfile
 from deepshard.inference._rope import check_rope_supported, rope_theta
 from deepshard.inference._sampling import GenerationRequest, GenerationResult
 from deepshard.inference._scheduler import ContinuousBatchScheduler, ScheduleStep
+from deepshard.interface.config import InferenceConfig, InferenceTensorParallelConfig
 
 __all__ = [
     "CacheUnsupportedError",

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepshard.interface import ConfigError, ModelParallelizer, ParallelizedModel
-from deepshard.interface.config import InferenceConfig
 from deepshard.inference._checkpoint import load_checkpoint
 from deepshard.inference._config import resolve_config
 from deepshard.inference._loop import generate_requests
 from deepshard.inference._profile import GenerationProfile
 from deepshard.inference._sampling import GenerationRequest, GenerationResult
+from deepshard.interface import ConfigError, ModelParallelizer, ParallelizedModel
+from deepshard.interface.config import InferenceConfig
 
 __all__ = ["InferenceEngine", "init_inference"]
 

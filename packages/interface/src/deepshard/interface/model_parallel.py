@@ -1,4 +1,4 @@
-"""How an inference engine gets a tensor-parallel model without importing the package that splits it.
+"""How an inference engine gets a tensor-parallel model without importing what splits it.
 
 ``deepshard.inference`` (row 4) may not import ``deepshard.autotp`` (the same row). It declares
 what it needs as `ModelParallelizer`; the meta-package's ``deepshard.engine.init_inference``

@@ -48,6 +48,7 @@ def _model() -> torch.nn.Module:
 def _hf_greedy(model: torch.nn.Module, prompt: tuple[int, ...], eos: int | None) -> list[int]:
     ids = torch.tensor([prompt])
     model.eval()  # no dropout (the rollout switches to eval itself)
+    model.generation_config.eos_token_id = None  # only the EOS given here
     with torch.no_grad():
         out = model.generate(
             ids,

@@ -107,7 +107,9 @@ def _train(mesh: Any, with_rollout: bool) -> dict[str, Any]:
         if with_rollout:
             trace = engine._sharded.fetcher.trace
             rollout.sync_weights(engine.global_steps)
-            rollout.generate([RolloutRequest(p, request_id=i) for i, p in enumerate(PROMPTS)], sampling)
+            rollout.generate(
+                [RolloutRequest(p, request_id=i) for i, p in enumerate(PROMPTS)], sampling
+            )
             traces.append(trace == engine._sharded.fetcher.trace and engine.module.training)
     with engine.optimizer.sharded.gathered():
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
@@ -126,7 +128,10 @@ def _reference() -> list[list[int]]:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW,
+                do_sample=False,
                 pad_token_id=0,
             )
         want.append(out[0, len(prompt) :].tolist())
@@ -138,7 +143,9 @@ def reference() -> list[list[int]]:
     return _reference()
 
 
-def test_zero_stages_generate_the_unsharded_tokens(tmp_path: Path, reference: list[list[int]]) -> None:
+def test_zero_stages_generate_the_unsharded_tokens(
+    tmp_path: Path, reference: list[list[int]]
+) -> None:
     runs = ((0, 1), (2, 1), (3, 1))
     results = run_on_mesh(_generate, 2, args=(runs,), store_dir=tmp_path, timeout_s=200)
     for got in results:
@@ -150,7 +157,11 @@ def test_zero_stages_generate_the_unsharded_tokens(tmp_path: Path, reference: li
 
 def test_autotp_generates_the_unsharded_tokens(tmp_path: Path, reference: list[list[int]]) -> None:
     results = run_on_mesh(
-        _generate, 2, args=(((1, 2),),), topology=Topology(dp=1, tp=2), store_dir=tmp_path,
+        _generate,
+        2,
+        args=(((1, 2),),),
+        topology=Topology(dp=1, tp=2),
+        store_dir=tmp_path,
         timeout_s=200,
     )
     for got in results:

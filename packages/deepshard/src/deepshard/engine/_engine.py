@@ -364,7 +364,9 @@ class DeepShardEngine(
             self.optimizer.close()  # offloaded state: NVMe swap files are removed
         self._destroyed = True
 
-    def generation_context(self, *, gather_units: int = 1) -> contextlib.AbstractContextManager[GenerationView]:
+    def generation_context(
+        self, *, gather_units: int = 1
+    ) -> contextlib.AbstractContextManager[GenerationView]:
         """Generate from the training weights inside (a rollout between steps): eval mode,
         at stage 3 at most ``gather_units`` units gathered at once; the training state, modes
         and RNG are as before on exit (`deepshard.engine._generation`)."""

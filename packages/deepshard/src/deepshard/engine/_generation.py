@@ -81,9 +81,7 @@ def _local_kv_heads(module: torch.nn.Module, tp_size: int) -> int | None:
 def _window(sharded: ShardedModule, gather_units: int) -> int:
     """Elements of the ``gather_units`` largest non-resident units."""
     resident = sharded.fetcher.resident
-    sizes = sorted(
-        (u.numel for u in sharded.units if u.plan.index not in resident), reverse=True
-    )
+    sizes = sorted((u.numel for u in sharded.units if u.plan.index not in resident), reverse=True)
     return sum(sizes[:gather_units])
 
 
@@ -122,7 +120,9 @@ def _check_ready(engine: DeepShardEngine, gather_units: int) -> None:
 
 
 @contextlib.contextmanager
-def generation_context(engine: DeepShardEngine, *, gather_units: int = 1) -> Iterator[GenerationView]:
+def generation_context(
+    engine: DeepShardEngine, *, gather_units: int = 1
+) -> Iterator[GenerationView]:
     """Eval mode and no-grad-ready weights for generating from ``engine``; see the module.
 
     Args:

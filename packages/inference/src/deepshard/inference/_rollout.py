@@ -160,14 +160,21 @@ class RolloutConfig:
             object.__setattr__(self, "sampling", SamplingConfig(**values))
         if not isinstance(self.sampling, SamplingConfig):
             raise ConfigError.from_problems(
-                [("rollout.sampling", f"expected a SamplingConfig or a mapping, got {self.sampling!r}")]
+                [
+                    (
+                        "rollout.sampling",
+                        f"expected a SamplingConfig or a mapping, got {self.sampling!r}",
+                    )
+                ]
             )
         if not _is_int(self.gather_units) or self.gather_units < 1:
             raise ConfigError.from_problems(
                 [("rollout.gather_units", f"expected an int >= 1, got {self.gather_units!r}")]
             )
         if not _is_int(self.seed):
-            raise ConfigError.from_problems([("rollout.seed", f"expected an int, got {self.seed!r}")])
+            raise ConfigError.from_problems(
+                [("rollout.seed", f"expected an int, got {self.seed!r}")]
+            )
 
     @classmethod
     def build(cls, config: RolloutConfig | Mapping[str, Any] | None) -> RolloutConfig:

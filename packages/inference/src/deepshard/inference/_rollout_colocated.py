@@ -133,7 +133,9 @@ class ColocatedRollout:
             return self._source.generation_context(gather_units=self.config.gather_units)
         return _plain_context(self._source)
 
-    def _samples(self, requests: Sequence[RolloutRequest], sampling: SamplingConfig) -> list[Sample]:
+    def _samples(
+        self, requests: Sequence[RolloutRequest], sampling: SamplingConfig
+    ) -> list[Sample]:
         seen: set[Any] = set()
         samples = []
         for position, request in enumerate(requests):
@@ -176,12 +178,16 @@ class ColocatedRollout:
                 request that is not a `RolloutRequest`.
         """
         if self._closed:
-            raise ConfigError("rollout.generate after shutdown(); build a new one with build_rollout")
+            raise ConfigError(
+                "rollout.generate after shutdown(); build a new one with build_rollout"
+            )
         if not requests:
             raise ConfigError("rollout.generate got no requests; pass at least one RolloutRequest")
         sampling = self.config.sampling if sampling is None else sampling
         if not isinstance(sampling, SamplingConfig):
-            raise ConfigError(f"rollout.generate(sampling=...): expected a SamplingConfig, got {sampling!r}")
+            raise ConfigError(
+                f"rollout.generate(sampling=...): expected a SamplingConfig, got {sampling!r}"
+            )
         samples = self._samples(requests, sampling)
         with self._context() as view:
             responses = decode_samples(

@@ -3,7 +3,8 @@
 *Co-located.* There is no second copy of the model: each ``generate`` enters the training
 engine's ``generation_context(gather_units=...)`` (`GenerationSource`; `deepshard.engine`'s
 engine has it), which switches to eval mode, bounds the stage-3 gathers, keeps the training
-state and restores modes and random streams on exit, and decodes on the module it names. So
+state and restores modes and random streams on exit, and decodes on the module it names by
+continuous batching (`deepshard.inference._loop.generate_requests`, one request per sample). So
 ``sync_weights(step)`` copies nothing; it records the step the next rollouts use, and refuses
 going back. A plain ``nn.Module`` works too (eval mode inside, its modes restored after).
 
@@ -29,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from deepshard.inference._loop import generate_requests
 from deepshard.inference._rollout import (
     RolloutBatch,
     RolloutConfig,
@@ -38,7 +40,7 @@ from deepshard.inference._rollout import (
     assemble_batch,
     sample_seed,
 )
-from deepshard.inference._rollout_decode import Sample, decode_samples
+from deepshard.inference._sampling import GenerationRequest
 from deepshard.interface.errors import ConfigError
 
 __all__ = ["ColocatedRollout", "GenerationSource", "GenerationView", "build_rollout"]
@@ -109,11 +111,6 @@ def special_tokens(tokenizer: Any) -> tuple[int, tuple[int, ...]]:
     return (int(pad) if pad is not None else eos[0]), eos
 
 
-def _device(module: torch.nn.Module) -> torch.device:
-    first = next(module.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
 class ColocatedRollout:
     """A `RolloutEngine` on the training engine's weights (see the module; build with
     `build_rollout`)."""
@@ -135,7 +132,7 @@ class ColocatedRollout:
 
     def _samples(
         self, requests: Sequence[RolloutRequest], sampling: SamplingConfig
-    ) -> list[Sample]:
+    ) -> list[GenerationRequest]:
         seen: set[Any] = set()
         samples = []
         for position, request in enumerate(requests):
@@ -154,13 +151,13 @@ class ColocatedRollout:
             base = request.seed if request.seed is not None else self.config.seed + position
             for j in range(sampling.n_samples_per_prompt):
                 samples.append(
-                    Sample(
-                        sample_id=(position, j),
+                    GenerationRequest(
+                        request_id=(position, j),
                         prompt=request.prompt,
                         max_new_tokens=sampling.max_new_tokens,
                         eos_token_id=self.eos_token_id,
                         do_sample=sampling.do_sample,
-                        temperature=float(sampling.temperature),
+                        temperature=float(sampling.temperature) if sampling.do_sample else 1.0,
                         top_k=sampling.top_k,
                         top_p=sampling.top_p,
                         seed=sample_seed(base, j),
@@ -190,15 +187,15 @@ class ColocatedRollout:
             )
         samples = self._samples(requests, sampling)
         with self._context() as view:
-            responses = decode_samples(
+            results = generate_requests(
                 view.module,
                 samples,
                 max_batch_size=sampling.continuous_batch_size,
                 pad_token_id=self.pad_token_id,
                 kv_heads=view.kv_heads,
-                device=_device(view.module),
             )
         prompts = [s.prompt for s in samples]
+        responses = [r.tokens for r in results]
         return assemble_batch(prompts, responses, pad_token_id=self.pad_token_id)
 
     def sync_weights(self, step: int) -> None:

@@ -28,6 +28,9 @@ with the ``activation_checkpointing`` settings (`deepshard.engine._engine_featur
 engine name DeepShard leaves out raises an ``AttributeError`` saying what to use instead
 (`deepshard.engine._unsupported`).
 
+``with engine.generation_context(gather_units=k) as view:`` generates from the training weights
+between steps (`deepshard.engine._generation`; `deepshard.inference`'s rollouts enter it).
+
 ``engine.save_checkpoint`` / ``load_checkpoint`` (`deepshard.engine._checkpointing`) store
 ZeRO's `state_shards` and the parts' JSON state through the checkpoint package.
 """

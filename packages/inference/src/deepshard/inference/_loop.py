@@ -122,8 +122,11 @@ class _BatchLoop:
         self.order = [request.request_id for request in requests]
         rows = min(max_batch_size, len(requests))
         max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "num_hidden_layers"):
+            raise CacheUnsupportedError("it has no Hugging Face style config to size a cache from")
         self.cache = StaticKVCache.for_model(
-            model.config, batch_size=rows, max_len=max_len, dtype=self.dtype,
+            config, batch_size=rows, max_len=max_len, dtype=self.dtype,
             device=self.device, kv_heads=kv_heads,
         )  # fmt: skip
         self.scheduler = ContinuousBatchScheduler(rows, max(r.max_new_tokens for r in requests))

@@ -197,7 +197,8 @@ class _BatchLoop:
         )  # fmt: skip
         with self._phase("cache"):
             self.cache.advance(query_len)
-        return out.logits[:, -1]
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
 
     def _prefill(self, rid: Hashable, slot: int) -> None:
         request = self.requests[rid]
@@ -276,7 +277,7 @@ def _generate_with_hf(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if request.seed is not None:
             torch.manual_seed(request.seed)
-        generate: Any = model.generate  # type: ignore[operator]
+        generate: Any = model.generate
         output = generate(input_ids, attention_mask=torch.ones_like(input_ids), **options)
     tokens = output[0, input_ids.shape[1] :].tolist()
     for index, token in enumerate(tokens):

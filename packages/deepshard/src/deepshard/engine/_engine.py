@@ -28,6 +28,9 @@ with the ``activation_checkpointing`` settings (`deepshard.engine._engine_featur
 engine name DeepShard leaves out raises an ``AttributeError`` saying what to use instead
 (`deepshard.engine._unsupported`).
 
+``with engine.generation_context(gather_units=k) as view:`` generates from the training weights
+between steps (`deepshard.engine._generation`; `deepshard.inference`'s rollouts enter it).
+
 ``engine.save_checkpoint`` / ``load_checkpoint`` (`deepshard.engine._checkpointing`) store
 ZeRO's `state_shards` and the parts' JSON state through the checkpoint package.
 """
@@ -50,6 +53,7 @@ from deepshard.engine._compile import EngineCompile
 from deepshard.engine._engine_features import EngineFeatures
 from deepshard.engine._engine_reads import EngineReads
 from deepshard.engine._engine_states import EngineStates
+from deepshard.engine._generation import GenerationView, generation_context
 from deepshard.engine._precision import Precision
 from deepshard.engine._profiling import StepProfiling
 from deepshard.engine._reporting import ProgressReporter
@@ -362,6 +366,14 @@ class DeepShardEngine(
             self.optimizer.remove_hooks()
             self.optimizer.close()  # offloaded state: NVMe swap files are removed
         self._destroyed = True
+
+    def generation_context(
+        self, *, gather_units: int = 1
+    ) -> contextlib.AbstractContextManager[GenerationView]:
+        """Generate from the training weights inside (a rollout between steps): eval mode,
+        at stage 3 at most ``gather_units`` units gathered at once; the training state, modes
+        and RNG are as before on exit (`deepshard.engine._generation`)."""
+        return generation_context(self, gather_units=gather_units)
 
     # --- weights out ----------------------------------------------------------------------
 

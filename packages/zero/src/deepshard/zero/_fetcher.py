@@ -21,6 +21,11 @@ gradients are complete (or the pass ends).
 exposed gather time), which also counts the gathers prefetch started and how many of them a
 hook found already under way.
 
+*Generation.* Forwards inside `untraced` (a rollout generating from the training model, no
+grad) leave the trace, the current pass and the re-trace count as they were, so the next
+training step prefetches by the training order; ``max_live`` lowers the live window meanwhile,
+and everything not resident is released when the block ends.
+
 *Live window.* The gathered elements of non-resident units never exceed
 ``max_live_parameters`` through prefetching; a unit needed now is gathered anyway, after
 releasing units kept only for reuse, because units in use can never be released.
@@ -28,8 +33,10 @@ releasing units kept only for reuse, because units in use can never be released.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from deepshard.zero._gather_waits import GatherWaits
 from deepshard.zero._policy import ZeroPolicy
@@ -99,6 +106,20 @@ class Fetcher:
             self.retraces += bool(self.trace)
             self.trace = tuple(self.current)
         if not grad_enabled:
+            self.release_idle()
+
+    @contextlib.contextmanager
+    def untraced(self, *, max_live: int | None = None) -> Iterator[None]:
+        """Forwards inside do not touch the recorded trace; ``max_live`` (elements) lowers
+        ``max_live_parameters`` meanwhile; non-resident units are released on exit."""
+        saved = (self.trace, list(self.current), self.retraces, self.policy)
+        if max_live is not None:
+            limit = min(max_live, self.policy.max_live_parameters)
+            self.policy = dataclasses.replace(self.policy, max_live_parameters=limit)
+        try:
+            yield
+        finally:
+            self.trace, self.current, self.retraces, self.policy = saved
             self.release_idle()
 
     def _trace_valid(self) -> bool:

@@ -39,8 +39,9 @@ REFUSED_KEYS: Mapping[str, str] = MappingProxyType(
         "(the flops_profiler and memory_breakdown settings help) and remove this block",
         "pipeline": f"{_NOT_CARRIED} a pipeline-parallel engine (Topology's pp axis is reserved "
         "and always 1); scale with ZeRO-3, tensor_parallel or sequence_parallel_size instead",
-        "hybrid_engine": f"{_NOT_CARRIED} the RLHF hybrid engine; generate rollouts with "
-        "deepshard.inference and remove this block",
+        "hybrid_engine": f"{_NOT_CARRIED} the RLHF hybrid engine; generate rollouts from the "
+        "training engine with deepshard.inference's build_rollout(config, engine, tokenizer) "
+        "and remove this block",
         "progressive_layer_drop": f"{_NOT_CARRIED} progressive layer dropping; implement layer "
         "drop inside the model and remove this block",
         "eigenvalue": f"{_NOT_CARRIED} the Hessian eigenvalue estimator; remove this block",

@@ -276,6 +276,9 @@ def mismatches(ours: RunResult, reference: RunResult) -> list[str]:
     bad = []
     for index, (a, b) in enumerate(zip(ours.tokens, reference.tokens, strict=True)):
         if a != b:
-            step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            step = next(
+                (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)),
+            )
             bad.append(f"request {index}: {len(a)} vs {len(b)} tokens, first difference at {step}")
     return bad

@@ -96,7 +96,7 @@ def build_runners(model: Any, batch: int) -> tuple[dict[str, Runner], dict[str, 
         return runners, missing
     try:
         engine = worker.deepspeed_engine(model)
-    except Exception as error:  # noqa: BLE001 - any failure of DeepSpeed's is reported, not fatal
+    except Exception as error:  # any failure of DeepSpeed's is reported, not fatal
         missing["deepspeed"] = f"deepspeed.initialize: {_reason(error)}"
         return runners, missing
     runners["deepspeed-cb"] = lambda reqs: worker.run_deepspeed(engine, reqs, batch, True)
@@ -112,7 +112,7 @@ def warm_up(
         print(f"warming up {name}", file=sys.stderr, flush=True)
         try:
             runners[name](requests)
-        except Exception as error:  # noqa: BLE001 - a competitor's refusal is a finding
+        except Exception as error:  # a competitor's refusal is a finding
             del runners[name]
             label = "deepspeed" if name.startswith("deepspeed") else name
             prefix = "continuous batching: " if name == "deepspeed-cb" else ""

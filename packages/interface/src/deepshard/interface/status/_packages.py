@@ -93,9 +93,10 @@ PACKAGES: tuple[PackageStatus, ...] = (
     PackageStatus(
         "deepshard-inference",
         "deepshard.inference",
-        None,
-        "KV cache, generation, continuous batching",
-        "planned",
+        "packages/inference",
+        "`init_inference` / `InferenceEngine` (typed config, TP through a parallelizer, "
+        "safetensors checkpoints), static KV cache, continuous batching",
+        "available",
     ),
     PackageStatus(
         "deepshard-launcher",

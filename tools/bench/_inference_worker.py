@@ -115,10 +115,11 @@ def build_model(shape: Shape) -> torch.nn.Module:
         pad_token_id=PAD, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = PAD
-    return model
+    module: torch.nn.Module = model
+    return module.float().eval()
 
 
 def build_requests(shape: Shape, seed: int = 0) -> list[Request]:

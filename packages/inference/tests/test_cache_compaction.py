@@ -18,7 +18,7 @@ def _filled(batch: int = 4, max_len: int = 6) -> StaticKVCache:
         num_layers=2, batch_size=batch, kv_heads=2, max_len=max_len, head_dim=3,
         dtype=torch.float32,
     )  # fmt: skip
-    for layer, (keys, values) in enumerate(zip(cache.keys, cache.values)):
+    for layer, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
         for row in range(batch):
             keys[row] = (row + 1) * 10 + layer
             values[row] = -((row + 1) * 10 + layer)
@@ -30,7 +30,7 @@ def test_compact_moves_survivors_to_the_front_and_zeroes_the_rest() -> None:
     cache = _filled()
     pointers = [k.data_ptr() for k in cache.keys] + [cache.lengths.data_ptr()]
     cache.compact([3, 1])
-    for layer, (keys, values) in enumerate(zip(cache.keys, cache.values)):
+    for layer, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
         assert torch.all(keys[0] == 40 + layer) and torch.all(keys[1] == 20 + layer)
         assert torch.all(values[0] == -(40 + layer)) and torch.all(values[1] == -(20 + layer))
         assert torch.count_nonzero(keys[2:]) == 0 and torch.count_nonzero(values[2:]) == 0

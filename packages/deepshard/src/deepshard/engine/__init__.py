@@ -19,6 +19,7 @@ from deepshard.comm import ParallelDims, build_mesh, init_distributed
 from deepshard.engine._arguments import add_config_arguments
 from deepshard.engine._dataloader import RepeatingLoader
 from deepshard.engine._engine import DeepShardEngine, EngineParts
+from deepshard.engine._inference import AutoTPParallelizer, init_inference
 from deepshard.engine._initialize import InitializeResult, initialize
 from deepshard.engine._reporting import TensorBytes
 from deepshard.engine.loss_scaler import (
@@ -41,6 +42,7 @@ from deepshard.interface import (
 __version__ = _dist_version("deepshard")
 
 __all__ = [
+    "AutoTPParallelizer",
     "CheckpointError",
     "CommError",
     "ConfigError",
@@ -64,5 +66,6 @@ __all__ = [
     "build_mesh",
     "get_accelerator",
     "init_distributed",
+    "init_inference",
     "initialize",
 ]

@@ -9,4 +9,31 @@ own static KV cache.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from deepshard.interface.config import InferenceConfig, InferenceTensorParallelConfig
+from deepshard.inference._cache import StaticKVCache, head_dim_of
+from deepshard.inference._checkpoint import load_checkpoint
+from deepshard.inference._engine import InferenceEngine, init_inference
+from deepshard.inference._loop import CacheUnsupportedError, generate_requests
+from deepshard.inference._profile import GenerationProfile
+from deepshard.inference._rope import check_rope_supported, rope_theta
+from deepshard.inference._sampling import GenerationRequest, GenerationResult
+from deepshard.inference._scheduler import ContinuousBatchScheduler, ScheduleStep
+
+__all__ = [
+    "CacheUnsupportedError",
+    "ContinuousBatchScheduler",
+    "GenerationProfile",
+    "GenerationRequest",
+    "GenerationResult",
+    "InferenceConfig",
+    "InferenceEngine",
+    "InferenceTensorParallelConfig",
+    "ScheduleStep",
+    "StaticKVCache",
+    "check_rope_supported",
+    "generate_requests",
+    "head_dim_of",
+    "init_inference",
+    "load_checkpoint",
+    "rope_theta",
+]

@@ -54,15 +54,16 @@ def head_dim_of(config: Any) -> int:
     return int(hidden) // int(heads)
 
 
-class _RowLayer(CacheLayerMixin):
+class _RowLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     """One layer's keys and values; writes go to the rows its owner selected."""
 
     is_sliding = False
 
     def __init__(self, owner: StaticKVCache, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.owner = owner
         self.keys, self.values = keys, values
+        self.row_keys, self.row_values = keys, values  # the same tensors, typed non-optional
         self.max_len = keys.shape[2]
         self.is_initialized = True
         self.updates = 0
@@ -74,7 +75,7 @@ class _RowLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, kv_len = self.owner.selected()
-        assert self.keys is not None and self.values is not None
+        keys, values = self.row_keys, self.row_values
         q = key_states.shape[2]
         if key_states.shape[0] != rows.numel():
             raise ValueError(
@@ -83,10 +84,13 @@ class _RowLayer(CacheLayerMixin):
             )
         positions = self.owner.lengths[rows].unsqueeze(1) + torch.arange(q, device=rows.device)
         index = (rows.unsqueeze(1), slice(None), positions)
-        self.keys[index] = key_states.transpose(1, 2).to(self.keys.dtype)
-        self.values[index] = value_states.transpose(1, 2).to(self.values.dtype)
+        keys[index] = key_states.transpose(1, 2).to(keys.dtype)
+        values[index] = value_states.transpose(1, 2).to(values.dtype)
         self.updates += 1
-        return self.keys[rows, :, :kv_len], self.values[rows, :, :kv_len]
+        prefix = self.owner.prefix()
+        if prefix is not None:  # rows 0..n-1: views, no gather copy
+            return keys[:prefix, :, :kv_len], values[:prefix, :, :kv_len]
+        return keys[rows, :, :kv_len], values[rows, :, :kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_len, 0
@@ -124,15 +128,17 @@ class StaticKVCache(Cache):
         if bad:
             raise ConfigError(f"StaticKVCache sizes must be positive, got {', '.join(bad)}")
         shape = (batch_size, kv_heads, max_len, head_dim)
-        layers: list[Any] = []
+        layers: list[_RowLayer] = []
         for _ in range(num_layers):
             keys = torch.zeros(shape, dtype=dtype, device=device)
             layers.append(_RowLayer(self, keys, torch.zeros_like(keys)))
-        super().__init__(layers=layers)
+        super().__init__(layers=list(layers))
+        self._row_layers = layers
         self.max_len = max_len
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self._rows = torch.arange(batch_size, device=device)
         self._kv_len = max_len
+        self._prefix: int | None = batch_size
 
     @classmethod
     def for_model(
@@ -166,11 +172,11 @@ class StaticKVCache(Cache):
 
     @property
     def keys(self) -> list[torch.Tensor]:
-        return [layer.keys for layer in self.layers]
+        return [layer.row_keys for layer in self._row_layers]
 
     @property
     def values(self) -> list[torch.Tensor]:
-        return [layer.values for layer in self.layers]
+        return [layer.row_values for layer in self._row_layers]
 
     @property
     def batch_size(self) -> int:
@@ -186,7 +192,13 @@ class StaticKVCache(Cache):
         """
         device = self.lengths.device
         self._rows = torch.as_tensor(rows, dtype=torch.int64, device=device).reshape(-1)
+        listed = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        self._prefix = len(listed) if listed == list(range(len(listed))) else None
         self._kv_len = self.max_len if kv_len is None else min(int(kv_len), self.max_len)
+
+    def prefix(self) -> int | None:
+        """``n`` when the last `select` chose rows ``0..n-1`` in order, else ``None``."""
+        return self._prefix
 
     def selected(self) -> tuple[torch.Tensor, int]:
         """Returns the rows and the attended length chosen by the last `select`."""
@@ -251,4 +263,4 @@ class StaticKVCache(Cache):
 
     def layer_updates(self) -> list[int]:
         """How many ``update`` calls each layer has received (to detect models that ignore it)."""
-        return [layer.updates for layer in self.layers]
+        return [layer.updates for layer in self._row_layers]

@@ -122,8 +122,11 @@ class _BatchLoop:
         self.order = [request.request_id for request in requests]
         rows = min(max_batch_size, len(requests))
         max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "num_hidden_layers"):
+            raise CacheUnsupportedError("it has no Hugging Face style config to size a cache from")
         self.cache = StaticKVCache.for_model(
-            model.config, batch_size=rows, max_len=max_len, dtype=self.dtype,
+            config, batch_size=rows, max_len=max_len, dtype=self.dtype,
             device=self.device, kv_heads=kv_heads,
         )  # fmt: skip
         self.scheduler = ContinuousBatchScheduler(rows, max(r.max_new_tokens for r in requests))
@@ -161,8 +164,6 @@ class _BatchLoop:
             if decoding:
                 self._decode(decoding)
             finished = [rid for rid, _ in active if rid in self.eos_hit]
-            if self.profile is not None:
-                self.profile.tokens(len(active))
         return [
             GenerationResult(rid, tuple(self.tokens[rid]), rid in self.eos_hit)
             for rid in self.order
@@ -194,7 +195,8 @@ class _BatchLoop:
         )  # fmt: skip
         with self._phase("cache"):
             self.cache.advance(query_len)
-        return out.logits[:, -1]
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
 
     def _prefill(self, rid: Hashable, slot: int) -> None:
         request = self.requests[rid]
@@ -244,6 +246,8 @@ class _BatchLoop:
     def _take(self, rids: list[Hashable], logits: torch.Tensor) -> None:
         """Appends each row's next token (argmax or its own draw) and notes EOS hits."""
         greedy = torch.argmax(logits, dim=-1).tolist()
+        if self.profile is not None:  # the first prefill's token sets the time to first token
+            self.profile.tokens(len(rids))
         for index, rid in enumerate(rids):
             request = self.requests[rid]
             if request.do_sample:
@@ -273,7 +277,7 @@ def _generate_with_hf(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if request.seed is not None:
             torch.manual_seed(request.seed)
-        generate: Any = model.generate  # type: ignore[operator]
+        generate: Any = model.generate
         output = generate(input_ids, attention_mask=torch.ones_like(input_ids), **options)
     tokens = output[0, input_ids.shape[1] :].tolist()
     for index, token in enumerate(tokens):

@@ -57,7 +57,8 @@ class GenerationProfile:
     def phase(self, name: Phase, device: torch.device | None = None) -> Iterator[None]:
         """Times the work inside; accelerator events when ``device`` is a CUDA device."""
         if device is not None and device.type == "cuda" and name != "scheduler":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
             try:
                 yield
@@ -86,7 +87,8 @@ class GenerationProfile:
         events = self._events[name]
         if events:
             torch.cuda.synchronize()
-        return self._host_s[name] + sum(start.elapsed_time(end) for start, end in events) / 1e3
+        device_ms = sum(float(start.elapsed_time(end)) for start, end in events)
+        return self._host_s[name] + device_ms / 1e3
 
     def summary(self) -> dict[str, float | int]:
         """Counts and timings so far, as a flat dict (see the class docstring for the keys)."""

@@ -14,6 +14,7 @@ from deepshard.interface.errors import (
     TopologyError,
 )
 from deepshard.interface.expert_transport import ExpertTransport
+from deepshard.interface.model_parallel import ModelParallelizer, ParallelizedModel
 from deepshard.interface.params import FullGradientPath, ParamShapes
 from deepshard.interface.placement import (
     AxisPlacement,
@@ -39,7 +40,9 @@ __all__ = [
     "FlatShard",
     "FullGradientPath",
     "LaunchError",
+    "ModelParallelizer",
     "ParamPlacement",
+    "ParallelizedModel",
     "ParamShapes",
     "PlacementRegistry",
     "Replicate",

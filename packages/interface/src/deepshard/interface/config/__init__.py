@@ -30,6 +30,7 @@ from deepshard.interface.config.data_efficiency import (
 )
 from deepshard.interface.config.deepshard_config import DeepShardConfig
 from deepshard.interface.config.elasticity import ElasticityConfig
+from deepshard.interface.config.inference import InferenceConfig, InferenceTensorParallelConfig
 from deepshard.interface.config.moe import ExpertParallelConfig, MoeConfig
 from deepshard.interface.config.monitor import (
     CometConfig,
@@ -89,6 +90,8 @@ __all__ = [
     "ExpertParallelConfig",
     "FlopsProfilerConfig",
     "Fp16Config",
+    "InferenceConfig",
+    "InferenceTensorParallelConfig",
     "LeafModuleConfig",
     "LegacyCurriculumConfig",
     "LocoConfig",

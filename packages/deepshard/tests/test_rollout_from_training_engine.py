@@ -59,8 +59,7 @@ def _config(stage: int, tp: int = 1) -> dict[str, Any]:
 
 
 def _greedy(engine: Any) -> list[list[int]]:
-    from deepshard.inference._rollout import RolloutRequest, SamplingConfig
-    from deepshard.inference._rollout_colocated import build_rollout
+    from deepshard.inference import RolloutRequest, SamplingConfig, build_rollout
 
     sampling = SamplingConfig(max_new_tokens=NEW, temperature=0, continuous_batch_size=2)
     rollout = build_rollout({"sampling": sampling, "gather_units": 1}, engine, TOKENIZER)
@@ -89,8 +88,7 @@ def _generate(mesh: Any, runs: tuple[tuple[int, int], ...]) -> dict[str, Any]:
 
 def _train(mesh: Any, with_rollout: bool) -> dict[str, Any]:
     import deepshard.engine as ds
-    from deepshard.inference._rollout import RolloutRequest, SamplingConfig
-    from deepshard.inference._rollout_colocated import build_rollout
+    from deepshard.inference import RolloutRequest, SamplingConfig, build_rollout
 
     engine, _, _, _ = ds.initialize(_model(), _config(3), mesh=mesh)
     rollout = build_rollout(None, engine, TOKENIZER)

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from deepshard.inference._rollout import (
+from deepshard.inference import (
     RolloutBatch,
     RolloutConfig,
     RolloutRequest,
     SamplingConfig,
+    build_rollout,
 )
-from deepshard.inference._rollout_colocated import build_rollout
 from deepshard.interface.errors import ConfigError
 
 PROMPTS = ((5, 9, 2), (7, 1, 3, 3, 8), (11, 4))

@@ -4,7 +4,8 @@
 cast to the configured dtype, eval mode, tensor parallelism through a parallelizer (the
 meta-package's ``deepshard.engine.init_inference`` supplies AutoTP's), weights read tensor by
 tensor from a safetensors checkpoint, and ``generate`` by continuous batching over DeepShard's
-own static KV cache.
+own static KV cache. ``build_rollout`` generates rollouts inside a trainer from the training
+engine's own weights (``engine.generation_context``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ from deepshard.inference._checkpoint import load_checkpoint
 from deepshard.inference._engine import InferenceEngine, init_inference
 from deepshard.inference._loop import CacheUnsupportedError, generate_requests
 from deepshard.inference._profile import GenerationProfile
+from deepshard.inference._rollout import (
+    RolloutBatch,
+    RolloutConfig,
+    RolloutEngine,
+    RolloutRequest,
+    SamplingConfig,
+)
+from deepshard.inference._rollout_colocated import ColocatedRollout, GenerationSource, build_rollout
 from deepshard.inference._rope import check_rope_supported, rope_theta
 from deepshard.inference._sampling import GenerationRequest, GenerationResult
 from deepshard.inference._scheduler import ContinuousBatchScheduler, ScheduleStep
@@ -21,15 +30,23 @@ from deepshard.interface.config import InferenceConfig, InferenceTensorParallelC
 
 __all__ = [
     "CacheUnsupportedError",
+    "ColocatedRollout",
     "ContinuousBatchScheduler",
     "GenerationProfile",
     "GenerationRequest",
     "GenerationResult",
+    "GenerationSource",
     "InferenceConfig",
     "InferenceEngine",
     "InferenceTensorParallelConfig",
+    "RolloutBatch",
+    "RolloutConfig",
+    "RolloutEngine",
+    "RolloutRequest",
+    "SamplingConfig",
     "ScheduleStep",
     "StaticKVCache",
+    "build_rollout",
     "check_rope_supported",
     "generate_requests",
     "head_dim_of",

@@ -161,6 +161,7 @@ def qemu_runs(toolchain: Toolchain, driver: Path) -> dict[str, QemuRun]:
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the first test pays for the apt-get install and the build
 @pytest.mark.parametrize("name", [name for name, _, _ in RUNS])
 def test_arm_path_matches_scalar_under_qemu(qemu_runs: dict[str, QemuRun], name: str) -> None:

@@ -23,6 +23,7 @@ def _nvcc() -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fused_adam_cu_compiles_with_nvcc(tmp_path: Path) -> None:
     nvcc = _nvcc()

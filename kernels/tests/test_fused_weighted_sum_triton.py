@@ -47,6 +47,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (it comes with CUDA wheels)")
 @pytest.mark.skipif(not HAS_NUMPY, reason="Triton's interpreter needs numpy (not a kernels dep)")
 def test_triton_kernels_equal_the_twin_in_the_interpreter() -> None:

@@ -45,6 +45,7 @@ print(kernels.kernel_report())
 """
 
 
+@pytest.mark.slow
 def test_failed_build_installs_the_pure_torch_package(tmp_path: Path) -> None:
     uv = shutil.which("uv")
     if uv is None:

@@ -82,6 +82,7 @@ def _run(mesh: Any) -> dict[Any, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_plain_backward_follows_the_standing_flag(tmp_path: Path) -> None:
     for results in run_on_mesh(_run, 2, store_dir=tmp_path, timeout_s=180):
         assert results["no_sync_wins"]

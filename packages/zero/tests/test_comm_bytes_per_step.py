@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
@@ -81,6 +82,7 @@ def _step_traffic(mesh: Any) -> dict[Any, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_bytes_per_step_match_the_theory(tmp_path: Path) -> None:
     per_rank = run_on_mesh(_step_traffic, WORLD, store_dir=tmp_path)
     params = list(_training.make_model().parameters())

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.interface.config import ZeroConfig
@@ -56,6 +57,7 @@ def _messages(mesh: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_a_large_cpu_model_is_reduced_and_gathered_in_capped_messages(tmp_path: Path) -> None:
     for result in run_on_mesh(_messages, 2, store_dir=tmp_path):
         assert result["numel"] > CPU_MESSAGE_NUMEL

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
@@ -78,6 +79,7 @@ def _reference() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_frozen_unused_and_empty_parameters(tmp_path: Path) -> None:
     per_rank = run_on_mesh(_all, WORLD, store_dir=tmp_path)
     ref = _reference()

@@ -192,6 +192,7 @@ def _rank(mesh: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_gathered_parameters_modify_discard_nest_and_partition(tmp_path: Path) -> None:
     per_rank = run_on_mesh(_rank, 2, store_dir=tmp_path)
     init = [p.detach() for p in _training.make_model().parameters()]

@@ -79,6 +79,7 @@ def _reduce_everything(mesh: Any) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_reductions_give_the_mean_or_sum(world: int, tmp_path: Path) -> None:
     per_rank = run_on_mesh(_reduce_everything, world, store_dir=tmp_path)

@@ -27,6 +27,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -154,6 +155,7 @@ def _rank(mesh: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_init_builds_partitioned_and_trains_like_shard(tmp_path: Path) -> None:
     per_rank = run_on_mesh(_rank, 2, store_dir=tmp_path)
     world = 2

@@ -107,6 +107,7 @@ def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
     return run_on_mesh(_run, WORLD, store_dir=tmp_path_factory.mktemp("views"), timeout_s=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_views_step_exactly_like_whole_partitions(
     per_rank: list[dict[Any, Any]], stage: int

@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
@@ -103,6 +104,7 @@ def _all(mesh: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_muon_groups_have_their_own_store_behind_the_protocol(tmp_path: Path) -> None:
     for out in run_on_mesh(_all, WORLD, store_dir=tmp_path):
         assert out["stage3"], "Stage3FullGrads is a FullGradientPath owning the use_muon group"

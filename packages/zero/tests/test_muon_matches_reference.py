@@ -44,6 +44,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_muon_under_zero_matches_single_process_muon(world: int, tmp_path: Path) -> None:
     per_rank = run_on_mesh(_train_all, world, store_dir=tmp_path)

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
@@ -114,6 +115,7 @@ def _all(mesh: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_skipped_step_loss_scale_dtype_and_resume(tmp_path: Path) -> None:
     per_rank = run_on_mesh(_all, WORLD, store_dir=tmp_path)
     matrices = sorted(n for n, p in _training.make_model().named_parameters() if p.dim() == 2)

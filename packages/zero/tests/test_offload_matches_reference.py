@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
@@ -95,6 +96,7 @@ def _merged(per_rank: list[dict[Any, Any]], key: Any) -> dict[str, Any]:
     return {"losses": losses, "norms": results[0]["norms"], "params": results[0]["params"]}
 
 
+@pytest.mark.slow
 def test_offload_matches_reference_and_the_run_without_it(tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     root.mkdir()

@@ -178,6 +178,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
+@pytest.mark.slow
 def test_cpu_offload_keeps_masters_and_moments_in_host_buffers(per_rank: list[Any]) -> None:
     expected = _first_step_moments()
     for result in (r["cpu"] for r in per_rank):

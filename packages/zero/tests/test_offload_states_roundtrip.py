@@ -170,6 +170,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_on_mesh(_all, 2, store_dir=Path(store), timeout_s=180)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_offload_and_reload_leave_training_bit_identical(

@@ -83,6 +83,7 @@ def _all_stages(mesh: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_overflow_skips_the_step_and_loss_scale_is_undone(tmp_path: Path) -> None:
     per_rank = run_on_mesh(_all_stages, 2, store_dir=tmp_path)
     for out in per_rank:

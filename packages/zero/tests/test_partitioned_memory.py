@@ -57,6 +57,7 @@ def _within(value: int, low: float, high: float) -> bool:
     return low <= value <= high
 
 
+@pytest.mark.slow
 def test_state_masters_and_gradients_are_partitioned(tmp_path: Path) -> None:
     per_rank = run_on_mesh(_measure, WORLD, store_dir=tmp_path)
     for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):

@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
@@ -138,6 +139,7 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_safe_get_and_set_through_nvme_files_at_stages_1_to_3(tmp_path: Path) -> None:
     root = tmp_path / "swap"
     per_rank = run_on_mesh(_all, WORLD, args=(str(root),), store_dir=tmp_path, timeout_s=240)

@@ -190,6 +190,7 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_full_getters_and_setters_match_reference(
     results: list[dict[str, Any]], stage: int

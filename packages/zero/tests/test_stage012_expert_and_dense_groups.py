@@ -83,6 +83,7 @@ def reference() -> dict[str, Any]:
     return ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_training_matches_one_process(
     results: list[dict[int, dict[str, Any]]], reference: dict[str, Any], stage: int

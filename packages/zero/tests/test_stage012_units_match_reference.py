@@ -110,6 +110,7 @@ def _reference() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_units_decide_the_layouts_and_training_matches_one_process(tmp_path: Path) -> None:
     ref = _reference()
     root = tmp_path / "swap"
@@ -145,6 +146,7 @@ def _refusals(mesh: Any) -> list[str]:
     return messages
 
 
+@pytest.mark.slow
 def test_bad_input_names_the_key(tmp_path: Path) -> None:
     [stage, stranger, extra] = run_on_mesh(_refusals, 1, store_dir=tmp_path)[0]
     assert "zero_optimization.stage" in stage and "sharded at stage 2" in stage

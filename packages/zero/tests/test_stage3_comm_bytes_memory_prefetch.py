@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
@@ -100,6 +101,7 @@ def _all(mesh: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_stage3_bytes_memory_live_window_and_prefetch(tmp_path: Path) -> None:
     world = 2
     results = run_on_mesh(_all, world, store_dir=tmp_path)

@@ -170,6 +170,7 @@ def _reference() -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "params": dict(model.named_parameters())}
 
 
+@pytest.mark.slow
 def test_expert_and_dense_groups_match_one_process(tmp_path: Path) -> None:
     from deepshard.interface import Topology
 

@@ -159,6 +159,7 @@ def _train_all(mesh: Any, root: str) -> dict[Any, Any]:
     return results
 
 
+@pytest.mark.slow
 def test_init_keeps_nvme_slices_in_files_and_trains_like_reference(tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     root.mkdir()
@@ -199,6 +200,7 @@ def _refused(mesh: Any) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_init_nvme_without_offload_param_is_refused(tmp_path: Path) -> None:
     message = run_on_mesh(_refused, 1, store_dir=tmp_path)[0]
     assert "Init(remote_device=)" in message and "offload_param" in message, message

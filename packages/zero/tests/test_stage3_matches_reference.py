@@ -94,6 +94,7 @@ def _update_error(
     return off / moved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_stage3_matches_single_process_and_stage2(world: int, tmp_path: Path) -> None:
     per_rank = run_on_mesh(_train_all, world, args=(CONFIGS,), store_dir=tmp_path)

@@ -37,6 +37,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
@@ -267,6 +268,7 @@ def _check(
         assert _stage3._update_error(got["params"], want["params"], init) < 0.1, key
 
 
+@pytest.mark.slow
 def test_stage3_matrix_llama_qwen3_init_offload_and_stage1(tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     root.mkdir()

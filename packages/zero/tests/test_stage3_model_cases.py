@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -230,6 +231,7 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 def test_stage3_model_cases_match_one_process(tmp_path: Path) -> None:
     results = run_on_mesh(_all, 2, store_dir=tmp_path)
     twice_ref = _sgd_reference(lambda: _make(Twice), 3)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
@@ -113,6 +114,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.slow
 def test_stage3_at_four_ranks_matches_one_process(tmp_path: Path) -> None:
     per_rank = run_on_mesh(_all, WORLD, store_dir=tmp_path, timeout_s=240)
     refs = {dtype: _training.reference(dtype) for dtype in (torch.float32, torch.bfloat16)}

@@ -92,6 +92,7 @@ def _check(
         assert _update_error(result["params"], ref["params"], init) < 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_stages_match_single_process_reference(world: int, tmp_path: Path) -> None:
     per_rank = run_on_mesh(_train_all, world, args=(CONFIGS,), store_dir=tmp_path)

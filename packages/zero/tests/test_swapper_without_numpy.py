@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 _SCRIPT = textwrap.dedent(
     """
     import sys
@@ -33,6 +35,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_swap_round_trip_without_numpy(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(tmp_path)],

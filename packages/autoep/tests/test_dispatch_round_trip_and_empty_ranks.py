@@ -27,6 +27,9 @@ from deepshard.autoep._dispatch import local_expert_order
 from deepshard.interface import ExpertTransport, Topology
 from deepshard.testing import run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 
 def test_local_order_groups_rows_by_local_expert() -> None:
     counts = torch.tensor([[2, 1], [1, 2]])  # rows from source s for local expert e

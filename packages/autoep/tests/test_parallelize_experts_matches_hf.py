@@ -25,6 +25,9 @@ from deepshard.comm import ParallelDims, all_reduce
 from deepshard.interface import Topology
 from deepshard.testing import import_beside, run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers", reason="transformers is in the dev group only")
 _tiny = import_beside(__file__, "_tiny_moe.py")
 

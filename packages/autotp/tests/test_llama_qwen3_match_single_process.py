@@ -28,6 +28,9 @@ from deepshard.autotp import Style, parallelize, plan_of
 from deepshard.interface import Topology
 from deepshard.testing import run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 SHAPE = dict(
     vocab_size=128,
     hidden_size=64,

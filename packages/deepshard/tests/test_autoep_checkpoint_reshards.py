@@ -20,6 +20,9 @@ import deepshard.engine as ds
 from deepshard.interface import Topology
 from deepshard.testing import import_beside, run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers", reason="transformers is in the dev group only")
 _parity = import_beside(__file__, "test_autoep_zero_matches_reference.py")
 

@@ -28,6 +28,9 @@ from deepshard.interface import PlacementRegistry, Topology
 from deepshard.interface.errors import ConfigError
 from deepshard.testing import fake_mesh, run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers", reason="transformers is in the dev group only")
 
 STEPS, LR, CLIP, WD, MB, SEQ, VOCAB, EXPERTS = 5, 1e-2, 1.0, 0.01, 2, 8, 96, 4

@@ -30,6 +30,9 @@ import torch
 from deepshard.interface import Topology
 from deepshard.testing import run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 STEPS = 5
 SEQ = 32
 ROWS = 2  # per data-parallel replica

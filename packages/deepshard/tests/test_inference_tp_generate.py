@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -19,6 +20,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 import deepshard.engine as ds
 from deepshard.interface import Topology
 from deepshard.testing import run_on_mesh
+
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
 
 VOCAB, PAD = 96, 0
 LENGTHS = (3, 7, 5)

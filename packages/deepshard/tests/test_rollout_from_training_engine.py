@@ -25,6 +25,9 @@ import torch
 from deepshard.interface import Topology
 from deepshard.testing import run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 PROMPTS = ((5, 9, 2), (7, 1, 3, 3, 8), (11, 4))
 NEW, STEPS, VOCAB = 6, 3, 64
 SHAPE = {

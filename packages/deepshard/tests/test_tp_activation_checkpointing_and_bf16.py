@@ -52,6 +52,9 @@ import torch
 
 from deepshard.testing import run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 STEPS, LR, CLIP, WD, MB, SEQ = 3, 1e-2, 1.0, 0.01, 2, 8
 EPS = 1e-3
 """Adam's ``eps``: large enough that a rounding difference ``δ`` in a near-zero gradient moves

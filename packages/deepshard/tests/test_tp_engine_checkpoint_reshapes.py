@@ -19,6 +19,9 @@ import torch
 
 from deepshard.testing import run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 SAVED, MORE, LR, EPS, CLIP, ROWS, SEQ = 2, 2, 1e-2, 1e-3, 1.0, 4, 8
 SHAPE = {
     "vocab_size": 128,

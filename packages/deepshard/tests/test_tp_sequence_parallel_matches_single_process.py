@@ -28,6 +28,9 @@ from torch.utils.data import DistributedSampler
 from deepshard.interface import Topology
 from deepshard.testing import run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 STEPS, SEQ, ROWS, VOCAB = 5, 16, 2, 64
 LR, CLIP = 1e-2, 0.5
 STAGES = (0, 1, 2, 3)

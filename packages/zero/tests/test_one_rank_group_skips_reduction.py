@@ -22,6 +22,9 @@ import torch
 
 from deepshard.testing import import_beside, run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 _mlp = import_beside(__file__, "_tp_mlp.py")
 
 STAGES = (0, 1, 2)

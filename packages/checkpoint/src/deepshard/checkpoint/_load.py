@@ -331,8 +331,11 @@ def load(
 
     def fill() -> None:
         found["read"] = _apply(found["dir"], found["buffered"], found.pop("regions"))
+        # Threads only copy from the page cache the check filled: unchecked reads from the disk
+        # measured faster on one thread (0.24 s vs 0.33 s for 400 MB on the shared box).
         with _pool() as pool:
-            found["read"] += fill_direct(found["dir"], found["direct"], pool)
+            threads = pool if verify_checksums else None
+            found["read"] += fill_direct(found["dir"], found["direct"], threads)
 
     _agree(members, _attempt(fill), "the end of loading", timeout_s)
     missing, unexpected = found["keys"]
@@ -361,5 +364,5 @@ def load_state_dict_from_checkpoint(
     direct, buffered, regions = _prepare(tag_dir, meta, tasks, verify=verify_checksums)
     _apply(tag_dir, buffered, regions)
     with _pool() as pool:
-        fill_direct(tag_dir, direct, pool)
+        fill_direct(tag_dir, direct, pool if verify_checksums else None)
     return out

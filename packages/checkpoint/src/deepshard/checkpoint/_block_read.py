@@ -1,17 +1,24 @@
-"""Reading the needed blocks of a data file in large sequential reads, verified as they arrive.
+"""Reading the needed blocks of a data file, verified, with the hashing spread over threads.
 
 A save records the SHA-256 of every `BLOCK_BYTES` block of each file. A load knows, from its
-copy plan, which blocks hold bytes it will use; it reads each run of consecutive needed blocks
-into one host buffer with a few large ``readinto`` calls (straight into the buffer: no copy)
-and hashes each block on a thread pool while the next one is read (hashlib releases the GIL).
-So a rank reads only the blocks it needs, reads each byte from disk once, and checks exactly
-what it read before anything reaches the caller's tensors; the fill then takes views of these
-buffers instead of reading the file again piece by piece.
+copy plan, which blocks hold bytes it will use, and checks exactly those. `verify_blocks`
+(the common path: the bytes are then read straight into their destinations) maps the file
+read-only and hashes each block from the page cache on a thread pool, several blocks at once
+(hashlib releases the GIL), while the disk reads the next ones ahead of the hashes: no buffer
+and no copy, so the check costs the hashing alone. `read_regions` (scaled pieces, casts,
+accelerator destinations) reads each run of consecutive needed blocks into one host buffer
+with a few large ``readinto`` calls and hashes each block while the next one is read; the fill
+then takes views of these buffers instead of reading the file again piece by piece.
+
+A mapped file that shrinks while it is hashed raises ``SIGBUS``, not an error: the load
+checked every file's size just before, and a checkpoint's files are never written again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,13 +33,12 @@ __all__ = [
     "Region",
     "block_runs",
     "read_regions",
-    "stream_block_digests",
     "verify_blocks",
     "view_of",
 ]
 
 _READ_BYTES = 4 * BLOCK_BYTES  # one readinto: large enough for the disk's sequential speed
-_RING = 3  # reused block buffers of `verify_blocks`: one being read, two being hashed
+_AHEAD = 8  # blocks `verify_blocks` asks the disk for ahead of the ones being hashed
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,24 @@ def read_regions(
     return regions
 
 
+def _hash_mapped(mapping: mmap.mmap, lo: int, hi: int) -> str:
+    with memoryview(mapping) as whole, whole[lo:hi] as part:
+        return hashlib.sha256(part).hexdigest()
+
+
+def _map(path: Path, size: int) -> tuple[int, mmap.mmap]:
+    """``path`` open and mapped read-only (``size`` bytes, at least what it holds)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        have = os.fstat(fd).st_size
+        if have < size:
+            raise CheckpointError(f"{path} ended at byte {have}: truncated")
+        return fd, mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def verify_blocks(
     path: Path,
     blocks: set[int],
@@ -130,58 +154,50 @@ def verify_blocks(
 ) -> None:
     """Check ``blocks`` of ``path`` against ``expected`` without keeping them.
 
-    Each block is read into one of a few reused buffers (no fresh memory to page-fault) and
-    hashed on ``pool`` while the next one is read. Used when the caller then reads the bytes
-    again straight into their destination: that second read is served by the page cache this
-    one filled.
+    The file is mapped read-only and every block is hashed straight from the page cache by
+    ``pool``'s threads, several blocks at once (hashlib releases the GIL): no buffer, no copy
+    into user memory. Each hash first asks the disk for the block `_AHEAD` places after it
+    (``posix_fadvise(WILLNEED)``, an asynchronous read), so the reads of the next blocks overlap
+    the hashing of these. The caller then reads the bytes again straight into their
+    destination, served by the page cache this check filled.
 
     Raises:
-        CheckpointError: A block is short, unreadable or does not match its digest.
+        CheckpointError: The file is short or unreadable, or a block does not match its digest.
     """
-    ring = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in range(min(_RING, len(blocks)))]
-    views = [bytes_of(buffer) for buffer in ring]
-    hashing: list[tuple[int, Future[str]] | None] = [None] * len(ring)
-
-    def settle(slot: int) -> None:
-        pending = hashing[slot]
-        if pending is not None:
-            index, future = pending
-            if index >= len(expected) or future.result() != expected[index]:
-                raise _mismatch(path, index)
-            hashing[slot] = None
-
+    order = sorted(blocks)
+    if not order:
+        return
+    if order[-1] >= len(expected) or order[-1] * BLOCK_BYTES >= size:
+        raise _mismatch(path, order[-1])
     try:
-        with open(path, "rb", buffering=0) as handle:
-            for count, index in enumerate(sorted(blocks)):
-                slot = count % len(ring)
-                settle(slot)  # its buffer is about to be overwritten
-                start = index * BLOCK_BYTES
-                view = views[slot][: max(0, min(BLOCK_BYTES, size - start))]
-                handle.seek(start)
-                done = 0
-                while done < len(view):
-                    got = handle.readinto(view[done:])
-                    if not got:
-                        raise CheckpointError(f"{path} ended at byte {start + done}: truncated")
-                    done += got
-                hashing[slot] = (index, pool.submit(_digest, view))
-            for slot in range(len(ring)):
-                settle(slot)
+        fd, mapping = _map(path, size)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
+
+    def check(position: int) -> bool:
+        if position + _AHEAD < len(order):
+            ahead = order[position + _AHEAD] * BLOCK_BYTES
+            os.posix_fadvise(fd, ahead, BLOCK_BYTES, os.POSIX_FADV_WILLNEED)
+        lo = order[position] * BLOCK_BYTES
+        return _hash_mapped(mapping, lo, min(size, lo + BLOCK_BYTES)) == expected[order[position]]
+
+    futures: list[Future[bool]] = []
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for index in order[:_AHEAD]:
+            os.posix_fadvise(fd, index * BLOCK_BYTES, BLOCK_BYTES, os.POSIX_FADV_WILLNEED)
+        futures = [pool.submit(check, position) for position in range(len(order))]
+        for index, future in zip(order, futures, strict=True):
+            if not future.result():
+                raise _mismatch(path, index)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
     finally:
-        for pending in hashing:  # do not free a buffer a hash thread still reads
-            if pending is not None:
-                pending[1].exception()
-
-
-def stream_block_digests(path: Path) -> list[str]:
-    """The digest of every block of ``path``, reading it once, sequentially."""
-    digests = []
-    with open(path, "rb") as handle:
-        while block := handle.read(BLOCK_BYTES):
-            digests.append(hashlib.sha256(block).hexdigest())
-    return digests
+        for future in futures:  # never unmap what a hash thread still reads
+            if not future.cancel():
+                future.exception()
+        mapping.close()
+        os.close(fd)
 
 
 def view_of(

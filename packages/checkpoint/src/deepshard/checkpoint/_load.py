@@ -28,7 +28,6 @@ import torch
 from deepshard.checkpoint._block_read import (
     Region,
     read_regions,
-    stream_block_digests,
     verify_blocks,
     view_of,
 )
@@ -50,6 +49,8 @@ from deepshard.interface.errors import CheckpointError
 
 __all__ = ["load", "load_state_dict_from_checkpoint", "torch_dtype"]
 
+_THREADS = 8  # hash / read threads of one rank (hashing one block is ~1.3 GB/s per core)
+
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype a shard map names (``"bfloat16"``)."""
@@ -65,7 +66,8 @@ def check_file(
     """Raise `CheckpointError` naming ``path`` if it is missing, truncated or tampered with.
 
     With ``checksum`` the whole file is read: format 1 compares its SHA-256, format 2 each
-    block's digest (and the block list's digest, so the metadata's list is checked too).
+    block's digest (on several threads; and the block list's digest, so the metadata's list is
+    checked too).
     """
     try:
         size = path.stat().st_size
@@ -79,9 +81,12 @@ def check_file(
     if not checksum:
         return
     if version >= 2:
-        blocks = stream_block_digests(path)
-        intact = blocks == list(expected["block_sha256"])
-        intact = intact and digest_of_blocks(blocks) == expected["sha256"]
+        digests = list(expected["block_sha256"])
+        intact = digest_of_blocks(digests) == expected["sha256"]
+        intact = intact and len(digests) == -(-size // BLOCK_BYTES)
+        if intact:  # every block, hashed on several threads at once
+            with _pool() as pool:
+                verify_blocks(path, set(range(len(digests))), size, digests, pool)
     else:
         intact = sha256_of(path).sha256 == expected["sha256"]
     if not intact:
@@ -204,7 +209,9 @@ def _expected_digests(
 
 
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), "deepshard-checkpoint-verify")
+    """Threads for hashing and reading: one per usable core, at most `_THREADS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ThreadPoolExecutor(max(1, min(_THREADS, cores or 1)), "deepshard-checkpoint-read")
 
 
 def _read_needed(
@@ -324,7 +331,11 @@ def load(
 
     def fill() -> None:
         found["read"] = _apply(found["dir"], found["buffered"], found.pop("regions"))
-        found["read"] += fill_direct(found["dir"], found["direct"])
+        # Threads only copy from the page cache the check filled: unchecked reads from the disk
+        # measured faster on one thread (0.24 s vs 0.33 s for 400 MB on the shared box).
+        with _pool() as pool:
+            threads = pool if verify_checksums else None
+            found["read"] += fill_direct(found["dir"], found["direct"], threads)
 
     _agree(members, _attempt(fill), "the end of loading", timeout_s)
     missing, unexpected = found["keys"]
@@ -352,5 +363,6 @@ def load_state_dict_from_checkpoint(
     tasks = _plan(meta, list(out.items()), 0)
     direct, buffered, regions = _prepare(tag_dir, meta, tasks, verify=verify_checksums)
     _apply(tag_dir, buffered, regions)
-    fill_direct(tag_dir, direct)
+    with _pool() as pool:
+        fill_direct(tag_dir, direct, pool if verify_checksums else None)
     return out

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepshard.engine._inference import split_kv_heads
 from deepshard.interface.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -57,9 +58,14 @@ class GenerationView:
 
 
 def _local_kv_heads(module: torch.nn.Module, tp_size: int) -> int | None:
-    """The model's KV heads divided over ``tp_size`` ranks; ``None`` at TP 1."""
+    """This rank's KV heads under TP: the split ``k_proj``'s rows when there is one (as
+    `deepshard.engine.init_inference` reads them), else the model's KV heads divided over
+    ``tp_size`` ranks; ``None`` at TP 1."""
     if tp_size == 1:
         return None
+    local = split_kv_heads(module)
+    if local is not None:
+        return local
     config = getattr(module, "config", None)
     heads = getattr(config, "num_key_value_heads", None) or getattr(
         config, "num_attention_heads", None

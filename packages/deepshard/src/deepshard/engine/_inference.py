@@ -25,8 +25,9 @@ from deepshard.interface.config import TensorParallelConfig, TpSizeConfig
 __all__ = ["AutoTPParallelizer", "init_inference"]
 
 
-def _local_kv_heads(model: nn.Module) -> int | None:
-    """This rank's KV heads, read from the first split ``k_proj``'s local rows."""
+def split_kv_heads(model: nn.Module) -> int | None:
+    """This rank's KV heads, read from the first split ``k_proj``'s local rows (uneven KV-group
+    splits and ranks without attention rows included); None without a config or a ``k_proj``."""
     config = getattr(model, "config", None)
     if config is None:
         return None
@@ -78,7 +79,7 @@ class AutoTPParallelizer:
             tp_size=group.size,
             tp_rank=group.rank,
             group=group.group,
-            kv_heads=_local_kv_heads(split),
+            kv_heads=split_kv_heads(split),
         )
 
     def load_checkpoint(self, parallel: ParallelizedModel, path: str) -> list[str]:

@@ -47,7 +47,10 @@ def test_every_row_is_measured_and_trains_the_same_model(output: str) -> None:
     for row in rows.values():
         numbers = [float(row[k]) for k in ("best", "median", "peak", "logits", "loss")]
         assert all(math.isfinite(n) and n > 0 for n in numbers), row[0]
-    assert len({row["loss"] for row in rows.values()}) == 1, output
+    # One model, one batch: the first losses agree up to fp32 summation order (the tiled loss
+    # sums its shards separately; ~1e-7 relative per add) and the 6 printed decimals (+-5e-7).
+    losses = [float(row["loss"]) for row in rows.values()]
+    assert max(losses) - min(losses) <= 1e-6 + 1e-6 * max(losses), output
     assert "ERROR" not in output
 
 

@@ -1,10 +1,11 @@
 """``engine.generation_context()`` gives back the modes and random streams it found.
 
-One process, a small MLP through ``initialize`` (ZeRO-0): inside the block every submodule is in
-eval mode and draws from torch's generator; after it the generator is where it was (the next
-draw equals the draw of a copy of the state taken before), a submodule the caller had put in
-eval is still in eval while the others train again, and bad knobs or a destroyed engine are
-refused.
+One rank (a process of its own through `run_on_mesh`, so the process group ``initialize``
+joins never leaks into the test process), a small MLP through ``initialize`` (ZeRO-0): inside
+the block every submodule is in eval mode and draws from torch's generator; after it the
+generator is where it was (the next draw equals the draw of a copy of the state taken before),
+a submodule the caller had put in eval is still in eval while the others train again, and bad
+knobs or a destroyed engine are refused.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from deepshard.interface.errors import ConfigError
+from deepshard.testing import run_on_mesh
 
 
 def _engine() -> Any:
@@ -26,7 +28,7 @@ def _engine() -> Any:
     return ds.initialize(model, config).engine
 
 
-def test_modes_and_rng_are_restored() -> None:
+def _modes_and_rng_are_restored(mesh: Any) -> bool:
     engine = _engine()
     module = engine.module
     module[1].eval()  # the caller's choice survives the block
@@ -45,3 +47,8 @@ def test_modes_and_rng_are_restored() -> None:
     engine.destroy()
     with pytest.raises(ConfigError, match="destroy"), engine.generation_context():
         pass
+    return True
+
+
+def test_modes_and_rng_are_restored() -> None:
+    assert run_on_mesh(_modes_and_rng_are_restored, 1, timeout_s=120) == [True]

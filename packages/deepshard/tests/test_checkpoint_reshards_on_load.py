@@ -16,12 +16,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from deepshard.checkpoint import load_state_dict_from_checkpoint
 from deepshard.interface import ShardMap
 from deepshard.testing import run_on_mesh
+
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
 
 SIZES = (13, 37, 29, 7)
 SAMPLES, GLOBAL_BATCH = 160, 16

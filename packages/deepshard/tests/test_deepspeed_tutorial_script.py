@@ -21,8 +21,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
+
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).with_name("_deepspeed_tutorial.py")
 LAUNCH = (

@@ -38,6 +38,9 @@ import torch
 
 from deepshard.testing import import_beside, run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 _models = import_beside(__file__, "_models.py")
 
 STEPS = 20

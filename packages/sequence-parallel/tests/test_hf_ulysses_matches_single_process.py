@@ -27,6 +27,9 @@ import torch
 from deepshard.interface import Topology
 from deepshard.testing import run_on_mesh
 
+# multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
+pytestmark = pytest.mark.slow
+
 SEQ = 16
 VOCAB = 64
 # (attention, packed rows, KV heads); 1 KV head on 2 ranks is replicated by DistributedAttention

@@ -1,5 +1,8 @@
 """Tiny Hugging Face MoE models (hidden 64, 2 layers, top-2) and the reference training loop.
 
+DeepSeek-V2/V3 have one dense first layer (``first_k_dense_replace=1``) and group-limited
+routing over 2 groups of which a token may use 1.
+
 Weights are drawn with a fixed seed at a scale where routing is far from uniform (the HF
 default init of 0.02 makes every expert nearly equally likely, which would hide a wrong
 expert choice), and DeepSeek-V3's score-correction bias is non-zero so that it changes the
@@ -14,7 +17,10 @@ import torch
 import transformers
 from torch import nn
 
-FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe")
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe", "deepseek_v2")
+_MLA = dict(
+    q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16
+)
 _COMMON = dict(
     vocab_size=96,
     hidden_size=64,
@@ -67,13 +73,24 @@ def build(family: str, num_experts: int = 4, seed: int = 0) -> nn.Module:
             first_k_dense_replace=1,
             routed_scaling_factor=2.5,
             norm_topk_prob=True,
-            q_lora_rank=None,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=16,
+            **_MLA,
         )
         model = transformers.DeepseekV3ForCausalLM(config)
+    elif family == "deepseek_v2":
+        config = transformers.DeepseekV2Config(
+            **{**_COMMON, "num_key_value_heads": 4},
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            n_routed_experts=num_experts,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            topk_method="group_limited_greedy",
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            **_MLA,
+        )
+        model = transformers.DeepseekV2ForCausalLM(config)
     else:
         raise ValueError(family)
     _randomise(model)

@@ -4,7 +4,8 @@ Rank 1 of EP = 2 must hold exactly the second half of every stacked expert tenso
 aligned, with placements ``Shard(0)`` on ``ep`` reduced over ``dp`` and dense ones reduced over
 ``dp × ep × sp``; module-list experts are stacked into the same layout (and at EP = 1, where no
 collective runs, give the fused model's logits); the correction bias keeps its kind, wherever
-it lives; and bad input is refused with a `ConfigError` naming the key.
+it lives; DeepSeek-V2's ``topk_method`` is read; and bad input is refused with a
+`ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepshard.autoep import parallelize_experts
+from deepshard.autoep import parallelize_experts, route
 from deepshard.interface import Replicate, Shard, Topology
 from deepshard.interface.config.moe import ExpertParallelConfig
 from deepshard.interface.errors import ConfigError
@@ -145,3 +146,19 @@ def test_bad_input_names_the_key() -> None:
     message = "autoep_size: 4 does not divide the 6 experts"
     with fake_mesh(Topology(ep=4), 0) as mesh, pytest.raises(ConfigError, match=message):
         parallelize_experts(_tiny.build("mixtral", 6), mesh)
+
+
+def test_deepseek_v2_topk_method_is_read_and_an_unknown_one_refused() -> None:
+    greedy = _tiny.build("deepseek_v2", 8)
+    greedy.model.layers[1].mlp.gate.topk_method = "greedy"
+    unknown = _tiny.build("deepseek_v2", 8)
+    unknown.model.layers[1].mlp.gate.topk_method = "noaux_tc"
+    with fake_mesh(Topology(ep=2), 0) as mesh:
+        parallelize_experts(greedy, mesh)
+        with pytest.raises(ConfigError, match="topk_method 'noaux_tc'"):
+            parallelize_experts(unknown, mesh)
+    settings = greedy.model.layers[1].mlp.settings
+    assert settings.num_groups is None and settings.group_score == "max"  # greedy: no groups
+    with pytest.raises(ConfigError, match="group_score 'sum'"):
+        route(torch.zeros(2, 8), top_k=2, score_func="softmax", route_norm=False,
+              route_scale=1.0, num_groups=2, limited_groups=1, group_score="sum")  # type: ignore[arg-type]  # fmt: skip

@@ -1,4 +1,4 @@
-"""`route` equals the Hugging Face gates of Mixtral, Qwen3-MoE and DeepSeek-V3 on random inputs.
+"""`route` equals the Hugging Face gates of Mixtral, Qwen3-MoE and DeepSeek-V2/V3 on random inputs.
 
 Each HF router computes its own logits from hidden states; `route` receives those logits (the
 fp32 product for DeepSeek, as its gate computes it) and must choose the same experts with the
@@ -88,3 +88,38 @@ def test_deepseek_v3_gate(groups: int, limited: int) -> None:
                      num_groups=groups, limited_groups=limited)  # fmt: skip
     assert not torch.equal(unbiased.expert_ids.sort(-1).values, ids.sort(-1).values)
     assert torch.equal(logits, F.linear(_hidden(16), gate.weight))
+
+
+@pytest.mark.parametrize("method", ["group_limited_greedy", "greedy"])
+def test_deepseek_v2_gate(method: str) -> None:
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from deepshard.autoep import PRESETS
+    from deepshard.autoep._presets import router_settings
+    from deepshard.interface.config.moe import ExpertParallelConfig
+
+    settings: dict[str, Any] = dict(
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        topk_method=method, routed_scaling_factor=1.5,
+    )  # fmt: skip
+    gate = _randomised(DeepseekV2TopkRouter(transformers.DeepseekV2Config(**settings)), 17)
+    logits, weights, ids = gate(_hidden(18))
+    # The knobs come from the gate module, as parallelize_experts reads them.
+    knobs = router_settings(gate, PRESETS["deepseek_v2"], ExpertParallelConfig())
+    assert (knobs.num_groups, knobs.group_score) == ((4, "max") if method != "greedy" else
+                                                     (None, "max"))  # fmt: skip
+    ours = route(
+        logits, top_k=knobs.top_k, score_func=knobs.score_func, route_norm=knobs.route_norm,
+        route_scale=knobs.route_scale, num_groups=knobs.num_groups,
+        limited_groups=knobs.limited_groups, group_score=knobs.group_score,
+    )  # fmt: skip
+    _assert_same(ours, weights, ids)
+    if method == "greedy":
+        return
+    # Both the group limit and V2's max rule changed some token's choice (V3's rule differs).
+    for other in (
+        route(logits, top_k=4, score_func="softmax", route_norm=False, route_scale=1.5),
+        route(logits, top_k=4, score_func="softmax", route_norm=False, route_scale=1.5,
+              num_groups=4, limited_groups=2, group_score="top2_sum"),
+    ):  # fmt: skip
+        assert not torch.equal(other.expert_ids.sort(-1).values, ids.sort(-1).values)

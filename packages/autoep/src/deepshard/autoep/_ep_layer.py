@@ -10,6 +10,10 @@ Forward, for hidden states ``[B, S, H]`` (``T = B·S`` tokens):
 3. *Experts.* Rows are sorted by expert, dispatched to the ranks owning their experts, run
    through the local `GroupedExperts`, sent back and unsorted (`_dispatch`).
 4. *Combine.* Each token's ``K`` expert rows are summed with their weights in fp32.
+   With ``score_apply="pre"`` (Llama-4 style) each dispatched row is instead multiplied by its
+   routing weight (in fp32, cast back to the row dtype) before the expert GEMMs, and the
+   combine sums the rows unweighted; the gated MLP does not commute with the weight, so the
+   two modes give different outputs.
 5. *Shared experts* (Qwen2/3.5-MoE, DeepSeek-V3) run on every token and are added, scaled by
    the sigmoid of their gate where the model has one.
 
@@ -19,6 +23,8 @@ them and any hooks transformers installed on them are unchanged.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
@@ -48,6 +54,8 @@ class ExpertParallelBlock(nn.Module):
         shared: ``(name, module)`` of the shared experts, or None.
         shared_gate: ``(name, module)`` of the shared experts' gate, or None.
         combine_impl: How the routed rows are summed back into tokens (`combine`).
+        score_apply: ``"post"``: weights scale the expert outputs at the combine; ``"pre"``:
+            they scale the dispatched input rows and the combine is an unweighted sum.
     """
 
     def __init__(
@@ -64,6 +72,7 @@ class ExpertParallelBlock(nn.Module):
         shared: tuple[str, nn.Module] | None = None,
         shared_gate: tuple[str, nn.Module] | None = None,
         combine_impl: CombineImpl = "weighted_sum",
+        score_apply: Literal["pre", "post"] = "post",
     ) -> None:
         super().__init__()
         self.add_module(router_name, router)
@@ -79,6 +88,7 @@ class ExpertParallelBlock(nn.Module):
         self.transport = transport
         self.correction_bias_path = correction_bias_path
         self.combine_impl: CombineImpl = combine_impl
+        self.score_apply: Literal["pre", "post"] = score_apply
 
     @property
     def local_experts(self) -> GroupedExperts:
@@ -109,17 +119,24 @@ class ExpertParallelBlock(nn.Module):
             route_scale=s.route_scale,
             num_groups=s.num_groups,
             limited_groups=s.limited_groups,
+            group_score=s.group_score,
         )
 
     def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The weighted sum of each token's routed experts, ``[T, H]`` (steps 3-4)."""
         order = sort_by_expert(routing.expert_ids, self.num_experts)
         rows = x.index_select(0, order.token_of_row)
+        weights = routing.weights
+        if self.score_apply == "pre":
+            flat = weights.reshape(-1)
+            row_weights = flat.new_zeros(flat.shape).index_copy(0, order.index.reshape(-1), flat)
+            rows = (rows.float() * row_weights.unsqueeze(-1)).to(rows.dtype)
+            weights = torch.ones_like(weights)
         received, received_counts, plan = self.transport.dispatch(rows, order.counts)
         local = local_expert_order(received_counts)
         out = self.local_experts(received.index_select(0, local.order), local.group_sizes)
         back = self.transport.combine(out.index_select(0, local.inverse), plan)
-        return combine(back, routing.weights, order.index, impl=self.combine_impl)
+        return combine(back, weights, order.index, impl=self.combine_impl)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [..., H]``, as the replaced block."""

@@ -8,8 +8,10 @@ for every family and nested configs (Qwen3.5's ``text_config``) then need no spe
 ``expert_parallel`` section overrides any of them. Checked against transformers 5 (fused
 ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` experts; see `_replace`).
 
-DeepSeek-V2 is not carried: its group-limited routing scores a group by its best expert (V3 by
-the sum of its best two), which `route` does not implement; its blocks are refused by name.
+DeepSeek-V2 differs from V3 in its router only: softmax scores, no correction bias, no top-k
+renormalisation (transformers' gate ignores ``norm_topk_prob``), and a ``topk_method`` of
+``"greedy"`` (plain top-k, even when ``n_group`` is set) or ``"group_limited_greedy"`` (a group
+is scored by its best expert, V3 by the sum of its best two).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from deepshard.autoep._router import ScoreFunc
+from deepshard.autoep._router import GroupScore, ScoreFunc
 from deepshard.interface.config.moe import ExpertParallelConfig
 from deepshard.interface.errors import ConfigError
 
@@ -54,6 +56,9 @@ class MoePreset:
     shared_gate_attr: str | None = None
     """A ``[H -> 1]`` linear whose sigmoid scales the shared output (Qwen2/3.5-MoE)."""
 
+    group_score: GroupScore = "top2_sum"
+    """How group-limited routing scores a group (DeepSeek-V2: ``"max"``)."""
+
 
 PRESETS: dict[str, MoePreset] = {
     p.name: p
@@ -75,25 +80,29 @@ PRESETS: dict[str, MoePreset] = {
             route_norm=True,
             shared_attr="shared_experts",
         ),
+        MoePreset(
+            "deepseek_v2",
+            ("DeepseekV2Moe",),
+            "softmax",
+            route_norm=False,
+            shared_attr="shared_experts",
+            group_score="max",
+        ),
     )
 }
 """Every built-in preset by name (``qwen3_5_moe`` blocks use ``qwen2_moe``'s layout)."""
 
-_REFUSED = {"DeepseekV2Moe": "DeepSeek-V2 (its group-limited routing differs from V3's)"}
+_TOPK_METHODS = ("greedy", "group_limited_greedy")
+"""DeepSeek-V2 ``topk_method`` values transformers' gate implements (V3's router has none)."""
 
 
 def find_preset(block: nn.Module, config: ExpertParallelConfig) -> MoePreset | None:
     """The preset that replaces ``block``, or None when it is not a MoE block.
 
     Raises:
-        ConfigError: ``preset_model`` names no preset, or the block is a family not carried.
+        ConfigError: ``preset_model`` names no preset.
     """
     cls = type(block).__name__
-    if cls in _REFUSED:
-        raise ConfigError(
-            f"expert_parallel: {_REFUSED[cls]} is not supported by deepshard.autoep; presets: "
-            f"{', '.join(PRESETS)}"
-        )
     if config.preset_model is not None:
         if config.preset_model not in PRESETS:
             raise ConfigError(
@@ -130,14 +139,21 @@ class RouterSettings:
     limited_groups: int | None
     """Groups a token may use."""
 
+    group_score: GroupScore = "top2_sum"
+    """How a group is scored (`route`'s ``group_score``)."""
+
 
 def router_settings(
     router: nn.Module, preset: MoePreset, config: ExpertParallelConfig
 ) -> RouterSettings:
     """Reads the routing knobs from the HF router module, then applies the config's overrides.
 
+    A DeepSeek router's ``topk_method`` of ``"greedy"`` turns group-limited routing off (its
+    ``num_group`` is then unused), unless the config sets ``num_expert_groups``.
+
     Raises:
-        ConfigError: The router has no ``top_k`` and the config does not give one.
+        ConfigError: The router has no ``top_k`` and the config does not give one, or its
+            ``topk_method`` is not one DeepSeek defines.
     """
     top_k: Any = config.top_k if config.top_k != "auto" else getattr(router, "top_k", None)
     if not isinstance(top_k, int):
@@ -148,7 +164,15 @@ def router_settings(
     scale = config.routed_scaling_factor
     if scale == "auto":
         scale = float(getattr(router, "routed_scaling_factor", 1.0) or 1.0)
-    groups = config.num_expert_groups or getattr(router, "num_group", None)
+    method = getattr(router, "topk_method", None)
+    if method is not None and method not in _TOPK_METHODS:
+        raise ConfigError(
+            f"expert_parallel: the router {type(router).__name__} has topk_method {method!r}; "
+            f"deepshard.autoep reproduces {', '.join(_TOPK_METHODS)}: fix the model config"
+        )
+    groups = config.num_expert_groups
+    if groups is None and method != "greedy":
+        groups = getattr(router, "num_group", None)
     limited = config.num_limited_groups or getattr(router, "topk_group", None)
     norm = config.route_norm
     if norm is None:
@@ -160,4 +184,5 @@ def router_settings(
         route_scale=float(scale) * config.route_scale,
         num_groups=int(groups) if groups is not None else None,
         limited_groups=int(limited) if limited is not None else None,
+        group_score=preset.group_score,
     )

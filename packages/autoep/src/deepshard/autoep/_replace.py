@@ -33,7 +33,7 @@ from deepshard.autoep._combine import CombineImpl
 from deepshard.autoep._dispatch import AllToAllTransport
 from deepshard.autoep._ep_layer import ExpertParallelBlock
 from deepshard.autoep._grouped_experts import GroupedExperts, aligned_expert_weight
-from deepshard.autoep._presets import MoePreset, find_preset, router_settings
+from deepshard.autoep._presets import PRESETS, MoePreset, find_preset, router_settings
 from deepshard.autoep._remap import remap_optimizer
 from deepshard.autoep._report import ParamSwap, ReplacedBlock, ReplacementReport
 from deepshard.comm import ParallelDims
@@ -180,6 +180,7 @@ def _build_block(
         shared=_child(block, preset.shared_attr),
         shared_gate=_child(block, preset.shared_gate_attr),
         combine_impl=_combine_impl(config, new_down.device),
+        score_apply="pre" if config.score_apply == "pre" else "post",
     )
     if bias_path is not None and "." not in bias_path:
         _move_tensor(block, new_block, bias_path)
@@ -200,12 +201,11 @@ def _build_block(
 
 
 def _combine_impl(config: ExpertParallelConfig, device: torch.device) -> CombineImpl:
-    """The combine to use: ``auto`` is the fused kernel on CUDA, the reference elsewhere."""
-    if config.score_apply == "pre":
-        raise ConfigError(
-            'expert_parallel.score_apply: "pre" (weights applied before the experts) is not '
-            'built; use "post" or "auto" (every supported model applies them after)'
-        )
+    """The combine to use: ``auto`` is the fused kernel on CUDA, the reference elsewhere.
+
+    With ``score_apply: "pre"`` the combine sums unit weights (the section refuses an explicit
+    ``fused_weighted_sum`` with ``pre``; ``auto`` may still pick the kernel for that sum).
+    """
     if config.combine_impl in ("weighted_sum", "fused_weighted_sum"):
         return config.combine_impl
     if config.combine_impl == "legacy_bmm":
@@ -263,7 +263,7 @@ def parallelize_experts(
     Every rank of the mesh calls it the same way (it may create the mesh's derived groups).
 
     Args:
-        model: A Hugging Face MoE model (Mixtral, Qwen2/3/3.5-MoE, DeepSeek-V3) or any model
+        model: A Hugging Face MoE model (Mixtral, Qwen2/3/3.5-MoE, DeepSeek-V2/V3) or any model
             whose blocks a preset recognises.
         mesh_or_parallel_dims: The mesh from `deepshard.comm.build_mesh`, or its
             `ParallelDims`; the experts are spread over its ``ep`` axis.
@@ -291,8 +291,8 @@ def parallelize_experts(
     if not targets:
         raise ConfigError(
             f"expert_parallel: no MoE block found in {type(model).__name__}; presets: "
-            "mixtral, qwen3_moe, qwen2_moe, deepseek_v3 (set expert_parallel.preset_model and "
-            "moe_layer_pattern for other models)"
+            f"{', '.join(PRESETS)} (set expert_parallel.preset_model and moe_layer_pattern for "
+            "other models)"
         )
     blocks, swaps = [], []
     for name, module, preset in targets:

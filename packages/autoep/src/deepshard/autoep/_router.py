@@ -7,9 +7,11 @@ The algorithm, shared by Mixtral, Qwen-MoE and DeepSeek-V2/V3 (which differ only
 2. *Choice scores*: scores plus an optional per-expert correction bias (DeepSeek-V3's
    auxiliary-loss-free balancing, ``e_score_correction_bias``). The bias only steers *which*
    experts are chosen; it never enters the weights.
-3. *Group-limited masking* (DeepSeek-V3): the experts are split into ``num_groups`` contiguous
-   groups, each group is scored by the sum of its two best choice scores, and every expert
-   outside the ``limited_groups`` best groups is masked to ``-inf``.
+3. *Group-limited masking* (DeepSeek-V2/V3): the experts are split into ``num_groups``
+   contiguous groups, each group is scored by ``group_score`` (``"top2_sum"``, the sum of its
+   two best choice scores, as DeepSeek-V3; ``"max"``, its best one, as DeepSeek-V2's
+   ``group_limited_greedy``), and every expert outside the ``limited_groups`` best groups is
+   masked to ``-inf``.
 4. *Top-k* on the (masked) choice scores gives the expert ids.
 5. *Weights* are gathered from the unbiased scores of step 1; ``route_norm`` divides them by
    their sum, then they are multiplied by ``route_scale`` (DeepSeek-V3 normalises first and
@@ -25,10 +27,14 @@ import torch
 
 from deepshard.interface.errors import ConfigError
 
-__all__ = ["Routing", "ScoreFunc", "route"]
+__all__ = ["GroupScore", "Routing", "ScoreFunc", "route"]
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 """How router logits become per-expert scores."""
+
+GroupScore = Literal["top2_sum", "max"]
+"""How group-limited routing scores a group: its two best experts summed (DeepSeek-V3) or its
+best one (DeepSeek-V2)."""
 
 # Added to the normalising sum, as DeepSeek-V3 and Hugging Face do, so that all-zero sigmoid
 # weights (every chosen logit at -inf) divide to zero instead of NaN.
@@ -59,6 +65,7 @@ def route(
     route_scale: float,
     num_groups: int | None = None,
     limited_groups: int | None = None,
+    group_score: GroupScore = "top2_sum",
 ) -> Routing:
     """Routes tokens to experts (see the module docstring for the algorithm).
 
@@ -71,20 +78,25 @@ def route(
         route_scale: Multiplier applied to the weights (after the normalisation).
         num_groups: Expert groups for group-limited routing; None or 1 disables it.
         limited_groups: Groups a token may choose from (required with ``num_groups > 1``).
+        group_score: How a group is scored: ``"top2_sum"`` (DeepSeek-V3) or ``"max"``
+            (DeepSeek-V2).
 
     Returns:
         The `Routing`: fp32 weights and int64 expert ids, both ``[T, K]``, and the scores.
 
     Raises:
-        ConfigError: A knob does not fit the logits (top-k, groups, bias shape, score_func).
+        ConfigError: A knob does not fit the logits (top-k, groups, bias shape, score_func,
+            group_score).
     """
     _check_route_args(logits, top_k, score_func, correction_bias, num_groups, limited_groups)
+    if group_score not in ("top2_sum", "max"):
+        raise ConfigError(f"route: group_score {group_score!r}: use top2_sum or max")
     logits32 = logits.float()
     scores = logits32.softmax(dim=-1) if score_func == "softmax" else logits32.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_groups is not None and num_groups > 1:
         assert limited_groups is not None  # checked above
-        choice = _mask_to_best_groups(choice, num_groups, limited_groups)
+        choice = _mask_to_best_groups(choice, num_groups, limited_groups, group_score)
     expert_ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(-1, expert_ids)
     if route_norm:
@@ -95,17 +107,18 @@ def route(
 
 
 def _mask_to_best_groups(
-    choice: torch.Tensor, num_groups: int, limited_groups: int
+    choice: torch.Tensor, num_groups: int, limited_groups: int, group_score: GroupScore
 ) -> torch.Tensor:
     """Sets every expert outside each token's ``limited_groups`` best groups to ``-inf``.
 
     A group's score is the sum of its two best choice scores (its best one when a group has a
-    single expert), as DeepSeek-V3. ``-inf`` (not ``0``) guarantees that no masked expert is
-    picked even when biased choice scores are negative.
+    single expert), as DeepSeek-V3, or with ``group_score="max"`` its best choice score, as
+    DeepSeek-V2. ``-inf`` (not ``0``, which DeepSeek-V2's softmax-only gate uses) guarantees
+    that no masked expert is picked even when biased choice scores are negative.
     """
     tokens, experts = choice.shape
     grouped = choice.view(tokens, num_groups, experts // num_groups)
-    best_in_group = min(2, experts // num_groups)
+    best_in_group = 1 if group_score == "max" else min(2, experts // num_groups)
     group_scores = grouped.topk(best_in_group, dim=-1).values.sum(dim=-1)
     best_groups = group_scores.topk(limited_groups, dim=-1).indices
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best_groups, True)

@@ -18,12 +18,22 @@ For every block a preset recognises (`_presets`), in module order:
 Placements (interface) are then written for every parameter of the model: expert parameters
 ``Shard(0)`` on ``ep`` with their global shape, reduced over ``dp``; all others replicated and
 reduced over ``dp × ep × sp``. Each expert parameter also gets its `ShardMap` over ``ep``.
+
+*A model that is partitioned already* (built under ``deepshard.zero.Init``: every ``.data``
+is an empty slice) is replaced through a `deepshard.interface.PartitionedParams` the caller
+passes (the engine's is ``deepshard.zero.Repartition``): step 1-2 run inside
+``partitioned.gathered(<the block's expert parameters>)``, so only that block's experts are
+whole, and the two new stacks are handed to ``partitioned.partition(..., expert=True)``
+before the next block is read; full shapes for the placements come from
+``partitioned.full_shape``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +47,14 @@ from deepshard.autoep._presets import PRESETS, MoePreset, find_preset, router_se
 from deepshard.autoep._remap import remap_optimizer
 from deepshard.autoep._report import ParamSwap, ReplacedBlock, ReplacementReport
 from deepshard.comm import ParallelDims
-from deepshard.interface import ParamPlacement, PlacementRegistry, Shard, ShardMap, Topology
+from deepshard.interface import (
+    ParamPlacement,
+    PartitionedParams,
+    PlacementRegistry,
+    Shard,
+    ShardMap,
+    Topology,
+)
 from deepshard.interface.config.moe import ExpertParallelConfig
 from deepshard.interface.errors import ConfigError
 
@@ -146,22 +163,32 @@ def _num_experts(layout: str, down: list[nn.Parameter]) -> int:
 
 
 def _build_block(
-    block: nn.Module, name: str, preset: MoePreset, config: ExpertParallelConfig, dims: ParallelDims
+    block: nn.Module,
+    name: str,
+    preset: MoePreset,
+    config: ExpertParallelConfig,
+    dims: ParallelDims,
+    partitioned: PartitionedParams | None,
 ) -> tuple[ExpertParallelBlock, ReplacedBlock, list[tuple[str, ParamSwap]]]:
     experts_module = getattr(block, preset.experts_attr)
-    layout, gate_up, down, act_fn = _experts_layout(experts_module, name, config)
-    num_experts, ep = _num_experts(layout, down), dims.topology.ep
-    config.check_num_experts(num_experts, layer=name)
-    rank = dims.coordinate["ep"]
-    lo, hi = rank * num_experts // ep, (rank + 1) * num_experts // ep
-    derive_gate_up, derive_down = _local_weights(layout, gate_up, down, lo, hi)
-    with torch.no_grad():
+    whole: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if partitioned is not None:  # this block's experts only, released on leaving
+        whole = partitioned.gathered(list(experts_module.parameters()))
+    with whole, torch.no_grad():
+        layout, gate_up, down, act_fn = _experts_layout(experts_module, name, config)
+        num_experts, ep = _num_experts(layout, down), dims.topology.ep
+        config.check_num_experts(num_experts, layer=name)
+        rank = dims.coordinate["ep"]
+        lo, hi = rank * num_experts // ep, (rank + 1) * num_experts // ep
+        derive_gate_up, derive_down = _local_weights(layout, gate_up, down, lo, hi)
         new_gate_up = aligned_expert_weight(
             derive_gate_up([p.detach() for p in gate_up]), requires_grad=gate_up[0].requires_grad
         )
         new_down = aligned_expert_weight(
             derive_down([p.detach() for p in down]), requires_grad=down[0].requires_grad
         )
+    if partitioned is not None:  # before the next block's experts are made whole
+        partitioned.partition([new_gate_up, new_down], expert=True)
     grad_scale = dims.topology.dp / dims.topology.dense_dp_size  # see _grouped_experts
     experts = GroupedExperts(
         new_gate_up, new_down, act_fn, grad_scale=grad_scale, use_grouped_mm=config.use_grouped_mm
@@ -228,25 +255,41 @@ def _move_tensor(old: nn.Module, new: nn.Module, name: str) -> None:
         new.register_buffer(name, value, persistent=persistent)
 
 
+class _Shaped:
+    """A parameter's full shape and dtype, as `PlacementRegistry.replicated` reads them."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+
+
+def _full_shapes(
+    model: nn.Module, partitioned: PartitionedParams | None
+) -> list[tuple[str, _Shaped]]:
+    """``model.named_parameters()`` with each parameter's full shape (partitioned or not)."""
+    shape_of = partitioned.full_shape if partitioned is not None else lambda p: tuple(p.shape)
+    return [(n, _Shaped(tuple(shape_of(p)), p.dtype)) for n, p in model.named_parameters()]
+
+
 def _placements(
     model: nn.Module,
     dims: ParallelDims,
     swaps: Sequence[ParamSwap],
-    blocks: Sequence[ReplacedBlock],
+    partitioned: PartitionedParams | None,
 ) -> tuple[PlacementRegistry, dict[str, ShardMap]]:
     topology, ep = dims.topology, dims.topology.ep
-    registry = PlacementRegistry.replicated(model.named_parameters(), topology)
+    shapes = _full_shapes(model, partitioned)
+    registry = PlacementRegistry.replicated(shapes, topology)
+    local = dict(shapes)
     maps: dict[str, ShardMap] = {}
     for swap in swaps:
-        global_shape = (swap.new.shape[0] * ep, *swap.new.shape[1:])
+        shape = local[swap.name].shape
+        global_shape = (shape[0] * ep, *shape[1:])
         dtype = str(swap.new.dtype).removeprefix("torch.")
         placement = ParamPlacement.replicated(
             global_shape, dtype, reduce_over=Topology.expert_dp_axes
         ).with_axis("ep", Shard(0))
         registry.set(swap.name, placement)
-        split = ShardMap.contiguous_split(
-            global_shape, dtype, dim=0, sizes=[int(swap.new.shape[0])] * ep
-        )
+        split = ShardMap.contiguous_split(global_shape, dtype, dim=0, sizes=[int(shape[0])] * ep)
         maps[swap.name] = ShardMap(split.global_shape, dtype, split.pieces, axes=("ep",))
     return registry, maps
 
@@ -257,6 +300,7 @@ def parallelize_experts(
     config: ExpertParallelConfig | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
+    partitioned: PartitionedParams | None = None,
 ) -> ReplacementReport:
     """Replace every recognised MoE block of ``model`` with an expert-parallel one (in place).
 
@@ -270,6 +314,9 @@ def parallelize_experts(
         config: The ``expert_parallel`` section; by default enabled with the mesh's ``ep``.
         optimizer: An optimizer built on the unreplaced model, remapped in place
             (`remap_optimizer`).
+        partitioned: For a model partitioned already (built under ``deepshard.zero.Init``):
+            how to make one block's experts whole and partition the new stacks
+            (``deepshard.zero.Repartition``); see the module docstring.
 
     Returns:
         The `ReplacementReport`: replaced blocks, placements, expert shard maps, swaps.
@@ -301,12 +348,14 @@ def parallelize_experts(
                 "parallelize_experts: the model is itself a MoE block; pass the model that "
                 "contains it (the block is replaced in its parent)"
             )
-        new_block, info, block_swaps = _build_block(module, name, preset, section, dims)
+        new_block, info, block_swaps = _build_block(
+            module, name, preset, section, dims, partitioned
+        )
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new_block)
         blocks.append(info)
         swaps += [s for _, s in block_swaps]
-    registry, maps = _placements(model, dims, swaps, blocks)
+    registry, maps = _placements(model, dims, swaps, partitioned)
     report = ReplacementReport(tuple(blocks), registry, maps, tuple(swaps))
     if optimizer is not None:
         remap_optimizer(optimizer, report)

@@ -16,6 +16,12 @@ sources were in.
 With ``ep = sp = 1`` the experts' group ``dp`` is the dense group, so every parameter is
 described as whole and reduced over it (one reduction group for ZeRO).
 
+A model built under `deepshard.zero.Init` (stage 3, checked by `_init_built`) holds only
+slices: AutoEP reads it through a `deepshard.zero.Repartition`, which makes one MoE block's
+experts whole at a time and partitions the block's new stacks over ``dp`` before the next
+block is read; the model is then sharded anew with AutoEP's placements (expert and dense
+units), so ZeRO takes that `ShardedModule` as it takes any Init-built one.
+
 AutoEP together with AutoTP (dense layers TP-split, experts EP-split) is not built: refused.
 """
 
@@ -30,6 +36,7 @@ from deepshard.comm import ParallelDims
 from deepshard.interface import PlacementRegistry
 from deepshard.interface.config import DeepShardConfig
 from deepshard.interface.errors import ConfigError
+from deepshard.zero import Repartition, sharded_module_of
 
 if TYPE_CHECKING:
     from deepshard.autoep import ReplacementReport
@@ -129,8 +136,8 @@ def apply_expert_parallel(
         model_parameters: ``initialize(model_parameters=)``, remapped (`remap_parameters`).
 
     Returns:
-        Every parameter's placement (for `deepshard.zero.shard`) and the remapped
-        ``model_parameters``.
+        Every parameter's placement (for `deepshard.zero.shard`; ``None`` for a model built
+        under ``Init``, which is sharded anew here) and the remapped ``model_parameters``.
 
     Raises:
         ConfigError: ``autoep_size`` does not divide a block's expert count, no MoE block was
@@ -141,7 +148,10 @@ def apply_expert_parallel(
         return None, model_parameters
     from deepshard.autoep import parallelize_experts, remap_optimizer
 
-    report = parallelize_experts(model, dims, section)
+    built = sharded_module_of(model)
+    partitioned = Repartition(built, parallel_dims=dims) if built is not None else None
+    del built  # the re-shard frees the old units one by one: hold no reference to them
+    report = parallelize_experts(model, dims, section, partitioned=partitioned)
     if isinstance(optimizer, torch.optim.Optimizer):
         remap_optimizer(optimizer, report)
     if model_parameters is not None:
@@ -151,5 +161,17 @@ def apply_expert_parallel(
     if topology.ep * topology.sp == 1:
         # The expert group (dp) is then the dense group itself: one group for ZeRO, and every
         # expert whole on the rank (an EP = 1 run, e.g. loading an EP = 2 checkpoint).
-        placements = PlacementRegistry.replicated(model.named_parameters(), topology)
+        shape_of = partitioned.full_shape if partitioned is not None else lambda p: tuple(p.shape)
+        named = [(n, _Shaped(shape_of(p), p.dtype)) for n, p in model.named_parameters()]
+        placements = PlacementRegistry.replicated(named, topology)
+    if partitioned is not None:
+        partitioned.finish(model, placements)
+        return None, model_parameters
     return placements, model_parameters
+
+
+class _Shaped:
+    """A parameter's full shape and dtype, as `PlacementRegistry.replicated` reads them."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype

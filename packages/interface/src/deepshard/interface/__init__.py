@@ -16,6 +16,7 @@ from deepshard.interface.errors import (
 from deepshard.interface.expert_transport import ExpertTransport
 from deepshard.interface.model_parallel import ModelParallelizer, ParallelizedModel
 from deepshard.interface.params import FullGradientPath, ParamShapes
+from deepshard.interface.partitioned_params import PartitionedParams
 from deepshard.interface.placement import (
     AxisPlacement,
     FlatShard,
@@ -44,6 +45,7 @@ __all__ = [
     "ParallelizedModel",
     "ParamPlacement",
     "ParamShapes",
+    "PartitionedParams",
     "PlacementRegistry",
     "Replicate",
     "Shard",

@@ -3,7 +3,8 @@
 Stage 3 is two verbs: `shard` partitions a model's parameters (the model side, a
 `ShardedModule`), and ``ZeroOptimizer(inner, sharded_module)`` steps the partitions. `Init`
 builds a model partitioned from the start; `GatheredParameters` and `partition` make stage-3
-parameters whole by hand and write them back.
+parameters whole by hand and write them back; `Repartition` swaps parameters of an Init-built
+model block by block (AutoEP's experts) and shards it anew.
 
 `offload_saved_tensors` moves the activations autograd saves to host memory until backward.
 
@@ -22,6 +23,7 @@ from deepshard.zero._init import Init
 from deepshard.zero._init_settings import stage3_policy, zero_policy
 from deepshard.zero._optimizer_check import ZERO_SAFE_ATTRIBUTE, is_zero_safe
 from deepshard.zero._policy import ZeroPolicy
+from deepshard.zero._repartition import Repartition
 from deepshard.zero._resident import ResidentModule
 from deepshard.zero._settings import zero_problems
 from deepshard.zero._shard import register_external_parameter, shard, shard_info, sharded_module_of
@@ -82,6 +84,7 @@ __all__ = [
     "PartitionedOwner",
     "PendingReduction",
     "Piece",
+    "Repartition",
     "ResidentModule",
     "SavedTensorOffload",
     "ShardInfo",

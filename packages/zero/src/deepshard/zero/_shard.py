@@ -135,19 +135,19 @@ def build_sharded(
 ) -> ShardedModule:
     """`shard` after its checks: plan the units, then build and release them one at a time.
 
-    With ``source``, parameters already partitioned elsewhere are made whole one unit at a
-    time, just before their unit keeps its chunk (so at most one unit is whole at once).
+    With ``source``, parameters already partitioned elsewhere (`deepshard.zero.Init`'s slices,
+    `deepshard.zero.Repartition`'s) are made whole one unit at a time, just before their unit
+    keeps its chunk (so at most one unit is whole at once).
     ``groups`` (reduction axes → process group, `reduction_groups`) gives each parameter whose
     placement names one of them a unit plan of its own over that group; ``tp_group`` is the
     tensor-parallel group the step combines the norm over (`deepshard.zero._tp`).
     """
     shapes = source.full_shapes() if source is not None else None
     groups = dict(groups or {})
-    if groups and (source is not None or policy.param_offload is not None):
+    if groups and policy.param_offload is not None:
         raise ConfigError(
             "several reduction groups (expert and dense parameters in one model) are not "
-            "built with deepshard.zero.Init or ZeroPolicy(param_offload=...) yet; shard the "
-            "model without them"
+            "built with ZeroPolicy(param_offload=...) yet; shard the model without it"
         )
     plans = plan_units(
         module,

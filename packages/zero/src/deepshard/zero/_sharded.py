@@ -394,6 +394,17 @@ class ShardedModule:
         for u in self.units:
             u.home.close()
 
+    def detach_units(self) -> list[UnitState]:
+        """Remove every hook and hand the units over, still partitioned (a re-shard reads
+        them: `deepshard.zero.Repartition`); this object is unusable afterwards."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        units = list(self.units)
+        self.units.clear()
+        self.fetcher.units.clear()
+        return units
+
     def remove_hooks(self) -> None:
         """Give the model its whole parameters back (own storage) and remove every hook."""
         for u in self.units:

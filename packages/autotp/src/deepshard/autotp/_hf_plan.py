@@ -41,10 +41,14 @@ TP_PLAN_STYLES: dict[str, tuple[Style, bool]] = {
     "replicate": (Style.REPLICATE, False),
     "local": (Style.REPLICATE, False),
     "local_params": (Style.REPLICATE, False),
+    "moe_tp_experts": (Style.REPLICATE, False),
 }
 """The Hugging Face styles AutoTP honours: each one's style and whether it gathers the output.
 (``local_*``: the same split without DTensor. ``rowwise_rep`` and ``rowwise_split_input`` are
-not here: their input arrives whole, while a row-parallel layer takes the column shards.)"""
+not here: their input arrives whole, while a row-parallel layer takes the column shards.
+``moe_tp_experts`` names a MoE block's experts container: AutoTP leaves the experts whole on
+every TP rank (their input, the block's input, is whole there, so each rank computes the same
+experts and gradients); splitting or spreading them is AutoEP's job (``expert_parallel``).)"""
 
 
 def hf_tp_plan(model: torch.nn.Module) -> dict[str, str]:

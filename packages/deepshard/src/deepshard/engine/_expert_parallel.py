@@ -22,13 +22,24 @@ experts whole at a time and partitions the block's new stacks over ``dp`` before
 block is read; the model is then sharded anew with AutoEP's placements (expert and dense
 units), so ZeRO takes that `ShardedModule` as it takes any Init-built one.
 
-AutoEP together with AutoTP (dense layers TP-split, experts EP-split) is not built: refused.
+**With AutoTP on the same mesh** (``tensor_parallel.autotp_size > 1``, mesh ``dp × ep × tp``)
+AutoEP runs first, so AutoTP plans only what is left: attention, dense MLPs and the LM head are
+split over ``tp``, while the expert stacks (no longer Linears) and the router stay whole. Each
+``tp`` rank of an ``ep`` group therefore holds the same local experts and, since AutoTP's
+row-parallel outputs are all-reduced, feeds the EP layer the same full hidden states: the
+experts' dispatch runs once per ``tp`` rank over that rank's ``ep`` group, and every ``tp`` rank
+computes the same expert and router gradients, so they need no ``tp`` reduction (their
+placements say ``Replicate`` on ``tp``, which also makes the gradient norm count them once).
+The registry ZeRO gets is AutoTP's (dense parameters, split or whole, reduced over
+``dp × ep × sp``) with AutoEP's expert placements (``Shard(0)`` on ``ep``, reduced over ``dp``)
+in place of the experts' (`with_expert_placements`). Expert tensor parallelism
+(``expert_tensor_parallel_size > 1``, each expert split over ``tp``) is not built: refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -41,7 +52,13 @@ from deepshard.zero import Repartition, sharded_module_of
 if TYPE_CHECKING:
     from deepshard.autoep import ReplacementReport
 
-__all__ = ["apply_expert_parallel", "check_ep_layout", "remap_parameters"]
+__all__ = [
+    "ExpertParallelResult",
+    "apply_expert_parallel",
+    "check_ep_layout",
+    "remap_parameters",
+    "with_expert_placements",
+]
 
 _KEY = "expert_parallel.autoep_size"
 
@@ -57,8 +74,8 @@ def check_ep_layout(
         placements: ``initialize(placements=)``.
 
     Raises:
-        ConfigError: ``autoep_size`` differs from the mesh's ``ep``, AutoTP is on too, or a
-            placement registry was passed.
+        ConfigError: ``autoep_size`` differs from the mesh's ``ep``, expert tensor
+            parallelism is asked for, or a placement registry was passed.
     """
     section = config.expert_parallel
     if not section.enabled:
@@ -69,10 +86,12 @@ def check_ep_layout(
             f"{dims.topology.ep}; build the mesh with Topology(ep={section.autoep_size}, ...) "
             "or pass no mesh (initialize lays the config's ep out)"
         )
-    if dims.topology.tp > 1:
+    if section.expert_tensor_parallel_size > 1:
         raise ConfigError(
-            "expert_parallel.enabled together with tensor_parallel.autotp_size > 1: AutoEP "
-            "with AutoTP on one mesh is not built yet; use one of the two"
+            f"expert_parallel.expert_tensor_parallel_size: {section.expert_tensor_parallel_size}"
+            " (each expert split over tp) is not built yet; set it to 1: with "
+            "tensor_parallel.autotp_size > 1 the dense layers are split over tp and every tp "
+            "rank keeps its ep group's experts whole"
         )
     if placements is not None:
         raise ConfigError(
@@ -116,6 +135,19 @@ def remap_parameters(params: Iterable[Any], report: ReplacementReport) -> list[A
     return groups[0]
 
 
+class ExpertParallelResult(NamedTuple):
+    """What `apply_expert_parallel` gives `initialize`."""
+
+    placements: PlacementRegistry | None
+    """Every parameter's placement after the replacement; ``None`` when AutoEP is off."""
+
+    model_parameters: Iterable[Any] | None
+    """``initialize(model_parameters=)`` moved onto the new expert tensors."""
+
+    expert_names: tuple[str, ...]
+    """The parameters whose placement is AutoEP's own (the expert stacks; none at ep = sp = 1)."""
+
+
 def apply_expert_parallel(
     model: torch.nn.Module,
     config: DeepShardConfig,
@@ -123,10 +155,11 @@ def apply_expert_parallel(
     dims: ParallelDims,
     optimizer: Any,
     model_parameters: Iterable[Any] | None,
-) -> tuple[PlacementRegistry | None, Iterable[Any] | None]:
-    """Replace ``model``'s MoE blocks over the mesh's ``ep`` axis, before the cast.
+) -> ExpertParallelResult:
+    """Replace ``model``'s MoE blocks over the mesh's ``ep`` axis, before AutoTP and the cast.
 
-    Nothing is done (``(None, model_parameters)``) when ``expert_parallel`` is not enabled.
+    Nothing is done (no placements, ``model_parameters`` as given) when ``expert_parallel`` is
+    not enabled.
 
     Args:
         model: The model `initialize` trains.
@@ -136,8 +169,9 @@ def apply_expert_parallel(
         model_parameters: ``initialize(model_parameters=)``, remapped (`remap_parameters`).
 
     Returns:
-        Every parameter's placement (for `deepshard.zero.shard`; ``None`` for a model built
-        under ``Init``, which is sharded anew here) and the remapped ``model_parameters``.
+        The placements (for `deepshard.zero.shard`, or `with_expert_placements` under
+        AutoTP; ``None`` for a model built under ``Init``, which is sharded anew here), the
+        remapped ``model_parameters`` and the expert parameters' names.
 
     Raises:
         ConfigError: ``autoep_size`` does not divide a block's expert count, no MoE block was
@@ -145,10 +179,16 @@ def apply_expert_parallel(
     """
     section = config.expert_parallel
     if not section.enabled:
-        return None, model_parameters
+        return ExpertParallelResult(None, model_parameters, ())
     from deepshard.autoep import parallelize_experts, remap_optimizer
 
     built = sharded_module_of(model)
+    if built is not None and dims.topology.tp > 1:
+        raise ConfigError(
+            "expert_parallel.enabled with tensor_parallel.autotp_size > 1 on a model built under "
+            "deepshard.zero.Init: AutoTP splits whole weights, not Init's slices; build the model "
+            "without Init (initialize partitions it)"
+        )
     partitioned = Repartition(built, parallel_dims=dims) if built is not None else None
     del built  # the re-shard frees the old units one by one: hold no reference to them
     report = parallelize_experts(model, dims, section, partitioned=partitioned)
@@ -156,18 +196,22 @@ def apply_expert_parallel(
         remap_optimizer(optimizer, report)
     if model_parameters is not None:
         model_parameters = remap_parameters(model_parameters, report)
-    placements = report.placements
     topology = dims.topology
     if topology.ep * topology.sp == 1:
         # The expert group (dp) is then the dense group itself: one group for ZeRO, and every
         # expert whole on the rank (an EP = 1 run, e.g. loading an EP = 2 checkpoint).
         shape_of = partitioned.full_shape if partitioned is not None else lambda p: tuple(p.shape)
         named = [(n, _Shaped(shape_of(p), p.dtype)) for n, p in model.named_parameters()]
-        placements = PlacementRegistry.replicated(named, topology)
+        whole = PlacementRegistry.replicated(named, topology)
+        if partitioned is not None:
+            partitioned.finish(model, whole)
+            return ExpertParallelResult(None, model_parameters, ())
+        return ExpertParallelResult(whole, model_parameters, ())
+    names = tuple(swap.name for swap in report.swaps)
     if partitioned is not None:
-        partitioned.finish(model, placements)
-        return None, model_parameters
-    return placements, model_parameters
+        partitioned.finish(model, report.placements)
+        return ExpertParallelResult(None, model_parameters, names)
+    return ExpertParallelResult(report.placements, model_parameters, names)
 
 
 class _Shaped:
@@ -175,3 +219,21 @@ class _Shaped:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.shape, self.dtype = shape, dtype
+
+
+def with_expert_placements(
+    tp_placements: PlacementRegistry | None, ep: ExpertParallelResult
+) -> PlacementRegistry | None:
+    """One registry for a model AutoEP and then AutoTP parallelized.
+
+    AutoTP described every parameter it saw (the experts as whole dense tensors, which they are
+    not); the expert parameters take AutoEP's placements instead, everything else keeps
+    AutoTP's. Without AutoTP this is AutoEP's registry, without AutoEP AutoTP's.
+    """
+    if tp_placements is None or ep.placements is None:
+        return tp_placements if ep.placements is None else ep.placements
+    merged = PlacementRegistry(tp_placements.topology)
+    experts = set(ep.expert_names)
+    for name, placement in tp_placements.items():
+        merged.set(name, ep.placements[name] if name in experts else placement)
+    return merged

@@ -10,10 +10,11 @@
 3. Reconcile the batch sizes for the ranks that read different samples (dp × ep); under
    ``elasticity`` they come from the elastic schedule for that world (`_elastic`).
 4. Apply Ulysses when ``sequence_parallel_size`` is above 1 (`deepshard.engine.
-   _sequence_parallel`), then AutoTP or AutoEP (`_tensor_parallel`, `_expert_parallel`: they
-   write the placements ZeRO shards with), move and cast the model (`Precision`), then build
-   the optimizer on its parameters (the caller's wins over the config's), wrap it with ZeRO,
-   and build the LR schedule on the wrapper.
+   _sequence_parallel`), then AutoEP and AutoTP (`_expert_parallel`, `_tensor_parallel`: they
+   write the placements ZeRO shards with; AutoEP first, so AutoTP leaves the experts whole),
+   move and cast the model (`Precision`), then build the optimizer on its parameters (the
+   caller's wins over the config's), wrap it with ZeRO, and build the LR schedule on the
+   wrapper.
 5. Build the loss scaler, the counters, the reporter (with the profiler's wall-clock timers),
    the ``flops_profiler`` step profile and, given ``training_data``, the loader.
 """
@@ -51,7 +52,11 @@ from deepshard.engine._components import (
 from deepshard.engine._dataloader import build_dataloader
 from deepshard.engine._elastic import engine_batch_sizes
 from deepshard.engine._engine import DeepShardEngine, EngineParts
-from deepshard.engine._expert_parallel import apply_expert_parallel, check_ep_layout
+from deepshard.engine._expert_parallel import (
+    apply_expert_parallel,
+    check_ep_layout,
+    with_expert_placements,
+)
 from deepshard.engine._init_built import check_init_built
 from deepshard.engine._logging import announce, log_all_ranks
 from deepshard.engine._precision import plan_precision
@@ -280,12 +285,13 @@ def initialize(
             "writes the placements of the model it splits; drop the argument"
         )
     check_ep_layout(parsed, dims=dims, placements=placements)
-    tp_placements = apply_tensor_parallel(model, parsed, dims=dims)
-    placements = tp_placements if tp_placements is not None else placements
-    ep_placements, model_parameters = apply_expert_parallel(
+    # AutoEP first: AutoTP then plans only the dense layers and leaves the expert stacks whole.
+    ep = apply_expert_parallel(
         model, parsed, dims=dims, optimizer=optimizer, model_parameters=model_parameters
     )
-    placements = ep_placements if ep_placements is not None else placements
+    model_parameters = ep.model_parameters
+    parallel = with_expert_placements(apply_tensor_parallel(model, parsed, dims=dims), ep)
+    placements = parallel if parallel is not None else placements
     precision.cast_model(model, device)
     comms = _comms_logger(parsed, dims.rank)
     params = default_parameters(model, parsed) if model_parameters is None else model_parameters

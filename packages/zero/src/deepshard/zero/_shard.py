@@ -95,11 +95,11 @@ def shard(
         module.to(policy.param_dtype)
     groups = reduction_groups(module, pg, parallel_dims, placements)
     tp_group = tp_group_for(placements, parallel_dims)
-    if groups and tp_group is not None and policy.stage < 3:
+    if groups and tp_group is not None and policy.stage == 0:
         raise ConfigError(
-            f"ZeroPolicy(stage={policy.stage}): tensor-parallel placements together with several "
-            f"reduction groups ({sorted(groups)} besides the dense one) are not built below "
-            "stage 3; use ZeroPolicy(stage=3), or train the expert and TP parts separately"
+            "ZeroPolicy(stage=0): tensor-parallel placements together with several reduction "
+            f"groups ({sorted(groups)} besides the dense one) are not built at stage 0; use "
+            "ZeroPolicy(stage=1), 2 or 3"
         )
     if policy.stage < 3:
         return build_resident(

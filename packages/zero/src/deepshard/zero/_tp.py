@@ -169,10 +169,15 @@ def tp_grads(
 
 
 def shard_entries(
-    shards: Iterable[ParamShard], rank: int
+    shards: Iterable[ParamShard], ranks: Sequence[int]
 ) -> Iterator[tuple[int, int, int, ParamPlacement]]:
-    """`tp_grads`'s entries from the masters' shard maps (stages 0-2): this rank's pieces."""
+    """`tp_grads`'s entries from the masters' shard maps (stages 0-2): this rank's pieces.
+
+    A shard map counts ranks within its unit's own reduction group (an expert unit's ``dp``,
+    not the dense group), so ``ranks`` is this rank's partition of every unit, by unit index.
+    """
     for shard in shards:
+        rank = ranks[shard.group_index]
         for piece in shard.shard_map.pieces:
             if piece.rank == rank:
                 lo = piece.local_offset
@@ -183,7 +188,7 @@ def resident_tp_grads(
     resident: ResidentModule, shards: Sequence[ParamShard]
 ) -> TensorParallelGrads | None:
     """`tp_grads` of a stage 0-2 model from its masters' shard maps."""
-    entries = shard_entries(shards, resident.partition_rank)
+    entries = shard_entries(shards, resident.partition_ranks)
     return tp_grads(resident.tp_group, entries, len(resident.units))
 
 

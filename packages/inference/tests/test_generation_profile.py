@@ -2,8 +2,10 @@
 
 One request alone: one prefill forward gives the first token, then one decode forward per
 further token, so decode forwards = new tokens - 1. For a continuous batch the counts follow
-from the requests alone: one prefill per request, every request's tokens counted once, and at
-least as many decode forwards as the longest request needs.
+from the requests alone: requests admitted in the same step share one prefill forward (the
+first step admits ``max_batch_size`` of them at once, so at most ``len - (max_batch_size - 1)``
+prefill forwards, and at least one per ``max_batch_size`` requests), every request's tokens are
+counted once, and at least as many decode forwards as the longest request needs.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def test_profiling_never_changes_outputs() -> None:
     profiled = generate_requests(model, requests, max_batch_size=4, pad_token_id=0, profile=profile)
     assert profiled == plain
     summary = profile.summary()
-    assert summary["prefill_forwards"] == len(requests) == summary["requests"]
+    assert summary["requests"] == len(requests)
+    assert math.ceil(len(requests) / 4) <= summary["prefill_forwards"] <= len(requests) - 3
     assert summary["generated_tokens"] == sum(len(r.tokens) for r in plain)
     longest = max(len(r.tokens) for r in plain)
     assert longest - 1 <= summary["decode_forwards"] < summary["generated_tokens"]

@@ -10,9 +10,12 @@ their attention calls ``past_key_values.update(key, value, layer_idx)`` and atte
 returns. Before each forward the generation loop calls `StaticKVCache.select` with the rows the
 forward's batch maps to; ``update`` then writes the new keys of batch entry ``i`` at row
 ``rows[i]``, positions ``lengths[rows[i]] + 0..q-1``, and returns those rows' first ``kv_len``
-slots. The loop passes the matching explicit ``position_ids`` and a 4-D mask hiding every slot a
-row has not written (`StaticKVCache.attention_mask`), and calls `StaticKVCache.advance` after
-the forward. ``lengths`` is one tensor moved in place, so a captured graph sees it move.
+slots. When the rows are a span ``first..first+n-1`` (the usual case: a full batch, one
+admitted row, the compacted tail) the write is one ``scatter_`` per tensor into the span's view,
+with an index built once per forward and shared by the layers, and the returned slots are views;
+other selections use advanced indexing and a gather. The loop passes the matching explicit
+``position_ids`` and a 4-D mask hiding every slot a row has not written
+(`StaticKVCache.attention_mask`), and calls `StaticKVCache.advance` after the forward. ``lengths`` is one tensor moved in place, so a captured graph sees it move.
 
 ``head_dim`` comes from ``config.head_dim`` when the config has one (Qwen3: hidden 64, 4 heads,
 head_dim 32), else ``hidden_size // num_attention_heads`` — DeepSpeed sized its cache with the
@@ -76,20 +79,24 @@ class _RowLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, kv_len = self.owner.selected()
         keys, values = self.row_keys, self.row_values
-        q = key_states.shape[2]
         if key_states.shape[0] != rows.numel():
             raise ValueError(
                 f"the forward's batch has {key_states.shape[0]} rows but StaticKVCache.select "
                 f"chose {rows.numel()}; select the rows of each forward before calling the model"
             )
-        positions = self.owner.lengths[rows].unsqueeze(1) + torch.arange(q, device=rows.device)
-        index = (rows.unsqueeze(1), slice(None), positions)
-        keys[index] = key_states.transpose(1, 2).to(keys.dtype)
-        values[index] = value_states.transpose(1, 2).to(values.dtype)
         self.updates += 1
-        prefix = self.owner.prefix()
-        if prefix is not None:  # rows 0..n-1: views, no gather copy
-            return keys[:prefix, :, :kv_len], values[:prefix, :, :kv_len]
+        span = self.owner.span()
+        if span is not None:  # rows first..first+n-1: one scatter into a view, views back
+            first, n = span
+            index = self.owner.write_index(key_states.shape)
+            keys[first : first + n].scatter_(2, index, key_states.to(keys.dtype))
+            values[first : first + n].scatter_(2, index, value_states.to(values.dtype))
+            return keys[first : first + n, :, :kv_len], values[first : first + n, :, :kv_len]
+        q = key_states.shape[2]
+        positions = self.owner.lengths[rows].unsqueeze(1) + torch.arange(q, device=rows.device)
+        where = (rows.unsqueeze(1), slice(None), positions)
+        keys[where] = key_states.transpose(1, 2).to(keys.dtype)
+        values[where] = value_states.transpose(1, 2).to(values.dtype)
         return keys[rows, :, :kv_len], values[rows, :, :kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -138,7 +145,9 @@ class StaticKVCache(Cache):
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self._rows = torch.arange(batch_size, device=device)
         self._kv_len = max_len
-        self._prefix: int | None = batch_size
+        self._span: tuple[int, int] | None = (0, batch_size)
+        self._write_index: torch.Tensor | None = None
+        self._slots = torch.arange(max_len, device=device)
 
     @classmethod
     def for_model(
@@ -193,12 +202,31 @@ class StaticKVCache(Cache):
         device = self.lengths.device
         self._rows = torch.as_tensor(rows, dtype=torch.int64, device=device).reshape(-1)
         listed = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
-        self._prefix = len(listed) if listed == list(range(len(listed))) else None
+        first = listed[0] if listed else 0
+        contiguous = listed == list(range(first, first + len(listed)))
+        self._span = (first, len(listed)) if contiguous else None
+        self._write_index = None
         self._kv_len = self.max_len if kv_len is None else min(int(kv_len), self.max_len)
 
     def prefix(self) -> int | None:
         """``n`` when the last `select` chose rows ``0..n-1`` in order, else ``None``."""
-        return self._prefix
+        return self._span[1] if self._span is not None and self._span[0] == 0 else None
+
+    def span(self) -> tuple[int, int] | None:
+        """``(first, n)`` when the last `select` chose rows ``first..first+n-1`` in order."""
+        return self._span
+
+    def write_index(self, shape: torch.Size) -> torch.Tensor:
+        """The ``scatter_`` index ``[n, kv_heads, q, head_dim]`` of the next write, along dim 2.
+
+        Entry ``[i, :, t, :]`` is ``lengths[rows[i]] + t``. Built once per `select` and shared
+        by every layer (``lengths`` only moves in `advance`, after the forward).
+        """
+        if self._write_index is None or self._write_index.shape != shape:
+            n, heads, q, head_dim = shape
+            positions = self.lengths[self._rows].unsqueeze(1) + self._slots[:q]
+            self._write_index = positions.view(n, 1, q, 1).expand(n, heads, q, head_dim)
+        return self._write_index
 
     def selected(self) -> tuple[torch.Tensor, int]:
         """Returns the rows and the attended length chosen by the last `select`."""
@@ -211,20 +239,31 @@ class StaticKVCache(Cache):
         (``lengths[row] + t``); later and unwritten slots get the dtype's lowest value.
         """
         rows, kv_len = self._rows, self._kv_len
-        device = self.lengths.device
-        last = self.lengths[rows].unsqueeze(1) + torch.arange(query_len, device=device)
-        visible = torch.arange(kv_len, device=device).view(1, 1, 1, -1) <= last[:, None, :, None]
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-        return mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        last = self.lengths[rows].unsqueeze(1) + self._slots[:query_len]
+        hidden = self._slots[:kv_len].view(1, 1, 1, -1) > last[:, None, :, None]
+        return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+            hidden, torch.finfo(dtype).min
+        )
 
     def positions(self, query_len: int) -> torch.Tensor:
         """Explicit ``position_ids [rows, query_len]`` of the next write of the selected rows."""
         start = self.lengths[self._rows].unsqueeze(1)
-        return start + torch.arange(query_len, device=self.lengths.device)
+        return start + self._slots[:query_len]
 
-    def advance(self, query_len: int) -> None:
-        """Moves the selected rows' write positions past a forward of ``query_len`` tokens."""
-        self.lengths.index_add_(0, self._rows, torch.full_like(self._rows, query_len))
+    def advance(self, query_len: int | Sequence[int]) -> None:
+        """Moves the selected rows' write positions past the forward just run.
+
+        Args:
+            query_len: Tokens written per row: one count for all rows, or one per selected
+                row (a right-padded batch: only each row's real tokens count as written; its
+                pad slots stay hidden by the mask and are overwritten by later writes).
+        """
+        if isinstance(query_len, int):
+            self.lengths.index_add_(0, self._rows, torch.full_like(self._rows, query_len))
+        else:
+            counts = torch.as_tensor(list(query_len), dtype=torch.int64, device=self._rows.device)
+            self.lengths.index_add_(0, self._rows, counts)
+        self._write_index = None
 
     def compact(self, active_rows: Sequence[int]) -> None:
         """Moves the rows ``active_rows`` to the front, in that order, and zeroes the rest.
@@ -235,6 +274,7 @@ class StaticKVCache(Cache):
         if order.numel() != len(set(order.tolist())):
             raise ValueError(f"compact got repeated rows {list(active_rows)}")
         n = order.numel()
+        self._write_index = None
         for tensor in [*self.keys, *self.values, self.lengths]:
             kept = tensor[order].clone()
             tensor[n:].zero_()
@@ -243,6 +283,7 @@ class StaticKVCache(Cache):
     def reset_rows(self, rows: Sequence[int]) -> None:
         """Empties the given rows: zero keys and values, length 0."""
         index = torch.as_tensor(list(rows), dtype=torch.int64, device=self.lengths.device)
+        self._write_index = None
         for tensor in [*self.keys, *self.values, self.lengths]:
             tensor[index] = 0
 
@@ -255,6 +296,7 @@ class StaticKVCache(Cache):
         if n < 0:
             raise ValueError(f"trim_left needs n >= 0, got {n}")
         n = min(n, self.max_len)
+        self._write_index = None
         for tensor in [*self.keys, *self.values]:
             kept = tensor[:, :, n:].clone()
             tensor[:, :, kept.shape[2] :].zero_()

@@ -6,8 +6,10 @@
 1. the scheduler counts the step just run, retires requests that hit EOS or their budget and
    admits waiting ones into the freed rows (FIFO); retired rows are emptied, and when nothing
    waits any more the survivors are compacted to the front so decode reads a prefix of the cache;
-2. each admitted request is prefilled with one forward of its own prompt into its row — its
-   exact length, no padding to the longest prompt — which yields its first token;
+2. the requests admitted in this step are prefilled together, one forward of their prompts
+   right-padded to the longest of them (each row's pad slots are written past its length,
+   hidden by the mask, and overwritten by its later tokens; its length advances by its real
+   tokens only), which yields each one's first token from its last real position;
 3. every other active row gets one token from a single decode forward of the whole batch, each
    row at its own position (explicit ``position_ids``, a 4-D mask hiding unwritten slots).
 
@@ -52,8 +54,8 @@ def generate_requests(
 ) -> list[GenerationResult]:
     """Generates every request with continuous batching; results in request order.
 
-    Prefills admitted requests (variable prompt lengths, no padding to the longest), decodes all
-    active rows in one forward per step. Runs under ``torch.no_grad()``.
+    Prefills the requests admitted in a step in one right-padded forward, decodes all active
+    rows in one forward per step. Runs under ``torch.no_grad()``.
 
     Args:
         model: A causal LM (Hugging Face style: ``model(input_ids, ..., past_key_values=...)``
@@ -157,9 +159,9 @@ class _BatchLoop:
                 break
             active = self._manage_rows(step)
             admitted = {rid for rid, _ in step.admitted}
-            for rid, slot in active:
-                if rid in admitted:
-                    self._prefill(rid, slot)
+            prefilling = [(rid, slot) for rid, slot in active if rid in admitted]
+            if prefilling:
+                self._prefill(prefilling)
             decoding = [(rid, slot) for rid, slot in active if rid not in admitted]
             if decoding:
                 self._decode(decoding)
@@ -181,47 +183,68 @@ class _BatchLoop:
                 active = [(rid, new) for new, (rid, _) in enumerate(active)]
         return active
 
-    def _forward(self, ids: list[list[int]], rows: list[int], kv_len: int) -> torch.Tensor:
-        """One forward of ``ids`` (one list per row, equal lengths) into cache ``rows``."""
+    def _forward(
+        self, ids: list[list[int]], rows: list[int], kv_len: int, written: list[int] | None = None
+    ) -> torch.Tensor:
+        """One forward of ``ids`` (one list per row, equal lengths) into cache ``rows``.
+
+        ``written`` gives each row's real token count when the rows are right-padded (default:
+        all of them); the returned logits ``[rows, vocab]`` are each row's last real position.
+        """
         query_len = len(ids[0])
         with self._phase("cache"):
             self.cache.select(rows, kv_len)
             mask = self.cache.attention_mask(query_len, self.dtype)
             positions = self.cache.positions(query_len)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        keep: dict[str, Any] = self.keep_last
+        last = None
+        if written is not None and any(n != query_len for n in written):
+            last = torch.tensor([n - 1 for n in written], dtype=torch.long, device=self.device)
+            # ``logits_to_keep`` as a tensor keeps those positions of every row: [rows, rows, V]
+            keep = {"logits_to_keep": last} if self.keep_last else {}
         out = self.model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions,
-            past_key_values=self.cache, use_cache=True, **self.keep_last,
+            past_key_values=self.cache, use_cache=True, **keep,
         )  # fmt: skip
         with self._phase("cache"):
-            self.cache.advance(query_len)
-        logits: torch.Tensor = out.logits[:, -1]
-        return logits
+            self.cache.advance(query_len if written is None else written)
+        if last is None:
+            logits: torch.Tensor = out.logits[:, -1]
+            return logits
+        batch = torch.arange(len(ids), device=self.device)
+        chosen: torch.Tensor = out.logits[batch, batch if self.keep_last else last]
+        return chosen
 
-    def _prefill(self, rid: Hashable, slot: int) -> None:
-        request = self.requests[rid]
-        prompt = list(request.prompt)
+    def _prefill(self, admitted: list[tuple[Hashable, int]]) -> None:
+        """One forward of every prompt admitted this step, right-padded to the longest."""
+        prompts = [list(self.requests[rid].prompt) for rid, _ in admitted]
+        width = max(len(prompt) for prompt in prompts)
+        ids = [prompt + [prompt[-1]] * (width - len(prompt)) for prompt in prompts]
+        rows, lengths = [slot for _, slot in admitted], [len(prompt) for prompt in prompts]
         with self._phase("prefill"):
             if self.probed:
-                logits = self._forward([prompt], [slot], len(prompt))
+                logits = self._forward(ids, rows, width, lengths)
             else:
-                logits = self._probe(prompt, slot)
+                logits = self._probe(ids, rows, lengths)
         if self.profile is not None:
             self.profile.forward("prefill")
-        self.written[rid] = len(prompt)
-        if request.do_sample:
-            generator = torch.Generator(device=self.device)
-            if request.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(request.seed)
-            self.generators[rid] = generator
-        self._take([rid], logits)
+        for rid, _ in admitted:
+            request = self.requests[rid]
+            self.written[rid] = len(request.prompt)
+            if request.do_sample:
+                generator = torch.Generator(device=self.device)
+                if request.seed is None:
+                    generator.seed()
+                else:
+                    generator.manual_seed(request.seed)
+                self.generators[rid] = generator
+        self._take([rid for rid, _ in admitted], logits)
 
-    def _probe(self, prompt: list[int], slot: int) -> torch.Tensor:
+    def _probe(self, ids: list[list[int]], rows: list[int], lengths: list[int]) -> torch.Tensor:
         """The first forward: any failure or an ignored cache means the model cannot take it."""
         try:
-            logits = self._forward([prompt], [slot], len(prompt))
+            logits = self._forward(ids, rows, len(ids[0]), lengths)
         except (TypeError, ValueError, AttributeError, NotImplementedError, IndexError) as error:
             raise CacheUnsupportedError(
                 f"its forward raised {type(error).__name__}: {error}"

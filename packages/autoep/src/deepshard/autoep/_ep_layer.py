@@ -116,9 +116,15 @@ class ExpertParallelBlock(nn.Module):
         order = sort_by_expert(routing.expert_ids, self.num_experts)
         rows = x.index_select(0, order.token_of_row)
         received, received_counts, plan = self.transport.dispatch(rows, order.counts)
-        local = local_expert_order(received_counts)
-        out = self.local_experts(received.index_select(0, local.order), local.group_sizes)
-        back = self.transport.combine(out.index_select(0, local.inverse), plan)
+        experts = self.local_experts
+        if experts.uses_grouped_mm(received):
+            local = local_expert_order(received_counts)
+            out = experts(received.index_select(0, local.order), local.group_sizes)
+            out = out.index_select(0, local.inverse)
+        else:
+            # The loop reads each (source, expert) block in place: no regrouping gathers.
+            out = experts.forward_by_source(received, received_counts)
+        back = self.transport.combine(out, plan)
         return combine(back, routing.weights, order.index, impl=self.combine_impl)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from deepshard.comm import ParallelDims, all_reduce
 from deepshard.interface import Topology
 
 ROWS = ("hf-ddp", "deepshard-ep2")
+DEEPSPEED_ROW = "deepspeed-autoep"
 
 
 def build_model(spec: dict[str, Any]) -> torch.nn.Module:
@@ -67,13 +68,47 @@ def _reduce_ep_grads(model: torch.nn.Module, dims: ParallelDims, placements: Any
                 all_reduce(p.grad, group=dims.expert_dp, op="avg").wait()
 
 
+def _deepspeed_autoep(base: torch.nn.Module, spec: dict[str, Any], world: int) -> Any:
+    """DeepSpeed v0.19.7's AutoEP engine on a copy of ``base``, or the error it raised.
+
+    ``deepspeed.initialize`` replaces the Mixtral MoE blocks itself when the config has
+    ``expert_parallel.enabled`` (its ``_configure_expert_parallel``), on the process group that
+    is already initialized. Returns the engine, or the exception as a one-line string.
+    """
+    try:
+        import deepspeed
+
+        model = copy.deepcopy(base)
+        config = {
+            "train_micro_batch_size_per_gpu": spec["batch"],
+            "gradient_accumulation_steps": 1,
+            "expert_parallel": {"enabled": True, "autoep_size": world, "preset_model": "mixtral"},
+        }
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=list(model.parameters()), config=config
+        )
+        ids = torch.zeros((spec["batch"], spec["seq"]), dtype=torch.long)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.zero_grad()
+        return engine
+    except Exception as error:  # reported as the row's skip reason
+        return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
 def _step(model: torch.nn.Module, ids: torch.Tensor, reduce: Any) -> float:
     start = time.perf_counter()
     loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
+    backward = getattr(model, "backward", None)  # a DeepSpeed engine reduces in its backward
+    if callable(backward):
+        backward(loss)
+    else:
+        loss.backward()
     reduce()
     elapsed = time.perf_counter() - start
-    model.zero_grad(set_to_none=True)
+    if callable(backward):
+        model.zero_grad()
+    else:
+        model.zero_grad(set_to_none=True)
     return elapsed
 
 
@@ -95,9 +130,15 @@ def run_rank(job: dict[str, Any]) -> None:
         ep_model,
         lambda: _reduce_ep_grads(ep_model, dims, report.placements),
     )
-    times: dict[str, list[float]] = {row: [] for row in ROWS}
+    rows = ROWS
+    engine = _deepspeed_autoep(base, spec, world) if spec.get("deepspeed", True) else "not run"
+    skipped = engine if isinstance(engine, str) else None
+    if skipped is None:
+        models[DEEPSPEED_ROW] = (engine, lambda: None)
+        rows = (*ROWS, DEEPSPEED_ROW)
+    times: dict[str, list[float]] = {row: [] for row in rows}
     for step in range(spec["warmup"] + spec["steps"]):
-        for row in ROWS if step % 2 == 0 else reversed(ROWS):
+        for row in rows if step % 2 == 0 else reversed(rows):
             model, reduce = models[row]
             dist.barrier()
             elapsed = _step(model, ids, reduce)
@@ -107,5 +148,6 @@ def run_rank(job: dict[str, Any]) -> None:
         import json
 
         with open(job["out"], "w") as f:
-            json.dump({"times": times, "tokens_per_step": spec["batch"] * spec["seq"] * world}, f)
+            tokens = spec["batch"] * spec["seq"] * world
+            json.dump({"times": times, "tokens_per_step": tokens, "deepspeed_skipped": skipped}, f)
     dist.destroy_process_group()

@@ -11,9 +11,11 @@ DDP's all-reduce) and ``deepshard-ep2`` (`parallelize_experts`, 4 experts per ra
 dispatch). Reported: the median step time, tokens/s over both ranks, and the ratio
 ``deepshard-ep2 / hf-ddp``; target >= 1.2x, MET or MISSED.
 
-DeepSpeed AutoEP is not measured: this bench does not drive DeepSpeed's engine (issue 17
-reports that v0.19.7's AutoEP crashes on transformers 5.x; that was not re-checked here), so the
-Hugging Face row is the only baseline.
+A third row, ``deepspeed-autoep``, tries DeepSpeed v0.19.7's own AutoEP with the resolved
+transformers: ``deepspeed.initialize`` with ``expert_parallel: {enabled, autoep_size: 2,
+preset_model: mixtral}`` on the same gloo group, one forward + ``engine.backward`` first; when
+that raises, the row prints ``skipped: deepspeed autoep (<error>)`` with the real error instead
+of a number (``--no-deepspeed`` leaves it out).
 
 Exit status: 0 when both rows ran (a missed target included), 1 otherwise.
 """
@@ -50,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size (intermediate 2x)")
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's AutoEP row")
     return parser.parse_args(argv)
 
 
@@ -65,6 +68,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "seq": 32 if args.quick else args.seq,
         "steps": 4 if args.quick else args.steps,
         "warmup": 1 if args.quick else args.warmup,
+        "deepspeed": not args.no_deepspeed,
     }
 
 
@@ -103,14 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tiny Mixtral, 8 experts top-2, hidden {spec['hidden']}, {tokens} tokens/step, 2 ranks")
     print(f"{'row':<16}{'median step (ms)':>18}{'tokens/s':>12}")
     rate = {}
-    for row in _autoep_worker.ROWS:
+    for row in result["times"]:
         median = statistics.median(result["times"][row])
         rate[row] = tokens / median
         print(f"{row:<16}{median * 1e3:>18.2f}{rate[row]:>12.0f}")
     ratio = rate["deepshard-ep2"] / rate["hf-ddp"]
     verdict = "MET" if ratio >= TARGET else "MISSED"
     print(f"deepshard-ep2 / hf-ddp tokens/s: {ratio:.2f}x (target >= {TARGET}x): {verdict}")
-    print("deepspeed AutoEP: not measured (see the module docstring)")
+    if _autoep_worker.DEEPSPEED_ROW in rate:
+        ds_ratio = rate["deepshard-ep2"] / rate[_autoep_worker.DEEPSPEED_ROW]
+        print(f"deepshard-ep2 / deepspeed-autoep tokens/s: {ds_ratio:.2f}x")
+    else:
+        print(f"skipped: deepspeed autoep ({result['deepspeed_skipped']})")
     return 0
 
 

@@ -133,9 +133,15 @@ class ExpertParallelBlock(nn.Module):
             rows = (rows.float() * row_weights.unsqueeze(-1)).to(rows.dtype)
             weights = torch.ones_like(weights)
         received, received_counts, plan = self.transport.dispatch(rows, order.counts)
-        local = local_expert_order(received_counts)
-        out = self.local_experts(received.index_select(0, local.order), local.group_sizes)
-        back = self.transport.combine(out.index_select(0, local.inverse), plan)
+        experts = self.local_experts
+        if experts.uses_grouped_mm(received):
+            local = local_expert_order(received_counts)
+            out = experts(received.index_select(0, local.order), local.group_sizes)
+            out = out.index_select(0, local.inverse)
+        else:
+            # The loop reads each (source, expert) block in place: no regrouping gathers.
+            out = experts.forward_by_source(received, received_counts)
+        back = self.transport.combine(out, plan)
         return combine(back, weights, order.index, impl=self.combine_impl)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

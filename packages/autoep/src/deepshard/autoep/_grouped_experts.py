@@ -115,10 +115,7 @@ class GroupedExperts(nn.Module):
         Returns:
             ``[N, H]`` expert outputs in the same row order.
         """
-        gate_up, down = self.gate_up_proj, self.down_proj
-        if self.grad_scale != 1.0:
-            gate_up = _ScaleGrad.apply(gate_up, self.grad_scale)
-            down = _ScaleGrad.apply(down, self.grad_scale)
+        gate_up, down = self._scaled_weights()
         gate_up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)
         if self.use_grouped_mm and grouped_mm_usable(x, gate_up_t, down_t):
             offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
@@ -126,6 +123,55 @@ class GroupedExperts(nn.Module):
             gate, up = hidden.chunk(2, dim=-1)
             return torch._grouped_mm(self.act_fn(gate) * up, down_t, offs=offsets)
         return self._looped(x, group_sizes, gate_up, down)
+
+    def _scaled_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.grad_scale != 1.0:
+            gate_up = _ScaleGrad.apply(gate_up, self.grad_scale)
+            down = _ScaleGrad.apply(down, self.grad_scale)
+        return gate_up, down
+
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        """Whether `forward` runs ``x`` with ``torch._grouped_mm`` (else the per-expert loop)."""
+        weights = (self.gate_up_proj.transpose(-2, -1), self.down_proj.transpose(-2, -1))
+        return self.use_grouped_mm and grouped_mm_usable(x, *weights)
+
+    def forward_by_source(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The loop of `forward` on rows laid out as received: (source rank, local expert) blocks.
+
+        Expert ``e`` runs once on the concatenation of its blocks from every source (the same
+        rows, in the same order, as `forward` after regrouping), and its output is split back
+        into those blocks, so the result equals regroup → `forward` → ungroup without the two
+        row gathers and their scatter-add backward.
+
+        Args:
+            x: ``[N, H]`` rows, ``counts[s, e]`` of them for source ``s`` and local expert ``e``,
+                source-major.
+            counts: ``[ep, E_local]`` int64 rows per (source, local expert), ``sum == N``.
+
+        Returns:
+            ``[N, H]`` expert outputs in the order of ``x``.
+        """
+        ep, per_rank = counts.shape
+        sizes = [int(c) for c in counts.reshape(-1).tolist()]
+        blocks = torch.split(x, sizes)
+        gate_up, down = self._scaled_weights()
+        gate_ups, downs = gate_up.unbind(0), down.unbind(0)
+        outputs: list[torch.Tensor | None] = [None] * len(sizes)
+        for expert in range(per_rank):
+            slots = [s * per_rank + expert for s in range(ep) if sizes[s * per_rank + expert]]
+            if not slots:
+                continue
+            rows = blocks[slots[0]] if len(slots) == 1 else torch.cat([blocks[i] for i in slots])
+            gate, up = F.linear(rows, gate_ups[expert]).chunk(2, dim=-1)
+            out = F.linear(self.act_fn(gate) * up, downs[expert])
+            for slot, piece in zip(slots, out.split([sizes[i] for i in slots]), strict=True):
+                outputs[slot] = piece
+        pieces = [o for o in outputs if o is not None]
+        if not pieces:
+            # No rows: keep x and the weights in the graph (see `_looped`).
+            return x * 0.0 + 0.0 * (gate_up.sum() + down.sum())
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _looped(
         self, x: torch.Tensor, group_sizes: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor

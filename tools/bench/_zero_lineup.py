@@ -2,7 +2,9 @@
 
 A competitor is a family (``ddp``, ``fsdp2``, ``deepspeed``, ``deepshard``), a ZeRO stage and
 an offload mode. Both engines get the same DeepSpeed-style config dict from `engine_config`;
-FSDP2 and DDP are built by hand with the same optimizer and hyper-parameters. Offload rows
+FSDP2 and DDP are built by hand with the same optimizer and hyper-parameters. Stages 1-2 set
+``overlap_comm: true`` for both engines: their baseline, DDP, overlaps its all-reduce with
+backward. Offload rows
 drop ``torch_adam`` so each engine steps with its own CPU Adam (DeepSpeed then builds
 ``DeepSpeedCPUAdam``; with ``torch_adam`` it would quietly step ``torch.optim.AdamW`` on the
 host): that kernel is part of what ZeRO-Offload is, so it is what is raced. FSDP2 has one
@@ -137,6 +139,11 @@ def engine_config(competitor: Competitor, micro_batch: int, dtype: str) -> dict[
     """The DeepSpeed-style config both engines get for ``competitor``."""
     params: dict[str, Any] = {"lr": LR, "weight_decay": WEIGHT_DECAY}
     zero: dict[str, Any] = {"stage": competitor.stage}
+    if competitor.stage in (1, 2):
+        # DDP overlaps its bucketed all-reduce with backward, so stages 1-2 race with overlap
+        # on (both engines default it off below stage 3). DeepShard's stage 1 overlaps anyway;
+        # its stage 2 then keeps two reductions in flight instead of one blocking each hook.
+        zero["overlap_comm"] = True
     if competitor.offload == "none":
         params["torch_adam"] = True
     else:

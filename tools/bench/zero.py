@@ -10,7 +10,8 @@ weight decay 0.01) and gradient clipping at 1.0 (`_zero_lineup` lists them):
 
 * stages 0-2: ``ddp`` (``DistributedDataParallel``, ``clip_grad_norm_``, ``torch.optim.AdamW``),
   ``deepspeed-K`` (DeepSpeed 0.19.7, ``DS_ACCELERATOR=cpu``, ``"torch_adam": true``) and
-  ``deepshard-K`` (``deepshard.engine.initialize`` with the same config);
+  ``deepshard-K`` (``deepshard.engine.initialize`` with the same config; stages 1-2 set
+  ``overlap_comm: true`` for both engines, as DDP overlaps its all-reduce with backward);
 * stage 3: ``fsdp2`` (``fully_shard`` per block and the root, `MixedPrecisionPolicy` of the
   dtype) and ``fsdp2-offload-all`` (plus ``CPUOffloadPolicy``); ``deepspeed-3`` and
   ``deepshard-3``, and their ``-offload-opt`` (``offload_optimizer: cpu``) and ``-offload-all``

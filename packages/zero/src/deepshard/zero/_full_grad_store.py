@@ -27,10 +27,10 @@ from deepshard.zero._gradients import (
     AccumulatedGradients,
     BucketKey,
     GradientStore,
-    PartitionedGradients,
     StoreSettings,
     _fp32,
 )
+from deepshard.zero._partitioned_gradients import PartitionedGradients
 from deepshard.zero._scheduler import Finish
 from deepshard.zero.layout import FlatLayout, ParamSlot
 

@@ -8,19 +8,25 @@ reductions overlap with the rest of backward.
   parameters, in the accumulation dtype. Micro-steps before the accumulation boundary only add
   into it. During the boundary's backward each full bucket is all-reduced in place (stage 0) or
   reduce-scattered into this rank's fp32 gradient partition (stage 1). Overlapping costs no
-  memory here, so it is always on.
-* `PartitionedGradients` (stage 2) keeps only this rank's partition, in the accumulation dtype.
-  Every micro-step, each bucket's gradients are copied into a bucket-sized staging tensor (in
-  the communication dtype), reduce-scattered, and the chunk is added to the partition; the
-  staging tensor then goes back to a pool that the pass's later buckets of the same size reuse
-  and that is freed when the pass ends. A staging tensor is never zero-filled: each parameter's
-  first gradient of the pass is copied into its slot, the padding between slots is zeroed when
-  the tensor is taken, and the slots of parameters that got no gradient when the bucket is
-  launched (a fresh 16 MiB ``torch.zeros`` per bucket and pass cost ~10 ms on the bench box,
-  page faults included). So gradients are reduced at every micro-step, as DeepSpeed's
-  stage 2 does, and no rank ever holds more than a few buckets of full gradients. With
-  ``overlap_comm`` the reductions run asynchronously, at most two in flight; without it each
-  runs to completion inside the hook.
+  memory here, so it is always on. The buffer is not zero-filled after a step: it is marked
+  stale, and the first pass after that copies each parameter's first gradient into its slot
+  (a second one in the same pass adds) and zeroes the slots that got none (before their bucket
+  is reduced, or when the pass ends), so the accumulated sums are the same as adding onto zeros
+  (the padding is never written by a gradient and stays zero). That saves a write of the whole
+  buffer and a read of it per step. Stage 1's fp32 partition is allocated once and reused: the
+  boundary's reductions overwrite every element of it.
+* `PartitionedGradients` (stage 2, `deepshard.zero._partitioned_gradients`) keeps only this
+  rank's partition, in the accumulation dtype. Every micro-step, each bucket's gradients are
+  copied into a bucket-sized staging tensor (in the communication dtype), reduce-scattered, and
+  the chunk is added to the partition; the staging tensor then goes back to a pool that the
+  pass's later buckets of the same size reuse and that is freed when the pass ends. A staging
+  tensor is never zero-filled: each parameter's first gradient of the pass is copied into its
+  slot, the padding between slots is zeroed when the tensor is taken, and the slots of
+  parameters that got no gradient when the bucket is launched (a fresh 16 MiB ``torch.zeros``
+  per bucket and pass cost ~10 ms on the bench box, page faults included). So gradients are
+  reduced at every micro-step, as DeepSpeed's stage 2 does, and no rank ever holds more than a
+  few buckets of full gradients. With ``overlap_comm`` the reductions run asynchronously, at
+  most two in flight; without it each runs to completion inside the hook.
 
 Buckets whose parameters got no gradient are reduced at the end of the pass with zeros there.
 
@@ -47,13 +53,12 @@ import torch
 
 from deepshard.comm import CommsLogger, Group, resolve_group
 from deepshard.zero._scheduler import BucketScheduler, Finish
-from deepshard.zero.layout import Bucket, FlatLayout, ParamSlot
+from deepshard.zero.layout import FlatLayout, ParamSlot
 from deepshard.zero.reduction import GradientReduction, PendingReduction, reduce_bucket
 
 __all__ = [
     "AccumulatedGradients",
     "GradientStore",
-    "PartitionedGradients",
     "StoreSettings",
     "launch_order",
 ]
@@ -124,19 +129,6 @@ def _fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 def _done() -> None:
     """The finish of a bucket that needs no reduction (a group of one rank)."""
-
-
-def _padding(layout: FlatLayout, bucket: Bucket) -> list[tuple[int, int]]:
-    """The ranges of ``bucket`` (from its start) that no parameter's slot covers."""
-    gaps, at = [], 0
-    for slot in sorted((layout.slots[i] for i in bucket.slots), key=lambda s: s.offset):
-        lo = slot.offset - bucket.start
-        if lo > at:
-            gaps.append((at, lo))
-        at = max(at, lo + slot.numel)
-    if at < bucket.numel:
-        gaps.append((at, bucket.numel))
-    return gaps
 
 
 class GradientStore(ABC):
@@ -265,10 +257,17 @@ class AccumulatedGradients(GradientStore):
             for layout, dtype in zip(self.layouts, self.accum_dtypes, strict=True)
         ]
         self.partitions: list[torch.Tensor] | None = None
+        self._stale = False
+        """The buffers hold a spent step's gradients: the next pass overwrites them."""
+        self._fresh = False
+        """This pass writes the first gradients since the last step."""
+        self._boundary = False
 
     def begin(self, *, boundary: bool) -> None:
         self.scheduler.begin(reducing=boundary)
-        if boundary and self.partitioned:
+        self._fresh = self._stale
+        self._boundary = boundary
+        if boundary and self.partitioned and self.partitions is None:
             self.partitions = [
                 buffer
                 if solo and buffer.dtype == torch.float32  # one rank: the buffer is the partition
@@ -277,13 +276,28 @@ class AccumulatedGradients(GradientStore):
             ]
 
     def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
-        self.buffers[group_index][slot.offset : slot.stop].add_(grad.reshape(-1))
-        self.scheduler.arrived((group_index, slot.bucket), slot.index)
+        key = (group_index, slot.bucket)
+        piece = self.buffers[group_index][slot.offset : slot.stop]
+        if self._fresh and not self.scheduler.has_arrived(key, slot.index):
+            piece.copy_(grad.reshape(-1))
+        else:
+            piece.add_(grad.reshape(-1))
+        self.scheduler.arrived(key, slot.index)
+
+    def _zero_absent(self, key: BucketKey) -> None:
+        """In a fresh pass: zero the stale slots of bucket ``key`` that got no gradient."""
+        g, b = key
+        layout = self.layouts[g]
+        for index in self.scheduler.absent(key, layout.buckets[b].members):
+            slot = layout.slots[index]
+            self.buffers[g][slot.offset : slot.stop].zero_()
 
     def _launch(self, key: BucketKey) -> Finish:
         g, b = key
         layout = self.layouts[g]
         bucket = layout.buckets[b]
+        if self._fresh:
+            self._zero_absent(key)
         view = self.buffers[g][bucket.start : bucket.stop]
         if self.partitioned:
             assert self.partitions is not None, "begin(boundary=True) allocates the partitions"
@@ -314,10 +328,16 @@ class AccumulatedGradients(GradientStore):
             return self.partitions
         return [_fp32(buffer) for buffer in self.buffers]
 
+    def finish(self) -> None:
+        super().finish()
+        if self._fresh and not self._boundary:  # a boundary pass zeroed them before reducing
+            for key, _ in self.missing():
+                self._zero_absent(key)
+        if self._fresh:
+            self._fresh = self._stale = False
+
     def clear(self) -> None:
-        for buffer in self.buffers:
-            buffer.zero_()
-        self.partitions = None
+        self._stale = True  # the next pass overwrites; the partitions are reused
 
     def tensors(self) -> list[torch.Tensor]:
         return self.buffers + (self.partitions or [])
@@ -329,111 +349,3 @@ class AccumulatedGradients(GradientStore):
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"lp_grads": list(self.partitions or []), "contiguous_grad_buffer": self.buffers}
-
-
-class PartitionedGradients(GradientStore):
-    """Stage 2: only this rank's gradient partition; buckets reduced at every micro-step.
-
-    Args:
-        layouts: One layout per param group.
-        grad_dtypes: The gradients' dtype per group.
-        settings: Device, group, reduction arithmetic, logger.
-        overlap: ``overlap_comm``: reduce asynchronously (at most two buckets in flight).
-    """
-
-    def __init__(
-        self,
-        layouts: Sequence[FlatLayout],
-        grad_dtypes: Sequence[torch.dtype],
-        settings: StoreSettings,
-        *,
-        overlap: bool,
-    ) -> None:
-        super().__init__(layouts, grad_dtypes, settings, max_inflight=2 if overlap else 0)
-        self.overlap = overlap
-        self.accumulators = [
-            self._zeros(layout.partition_numel, dtype)
-            for layout, dtype in zip(self.layouts, self.accum_dtypes, strict=True)
-        ]
-        self.staging: dict[BucketKey, torch.Tensor] = {}
-        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self._gaps = [[_padding(layout, b) for b in layout.buckets] for layout in self.layouts]
-
-    def begin(self, *, boundary: bool) -> None:
-        self.scheduler.begin(reducing=True)
-
-    def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
-        key = (group_index, slot.bucket)
-        if self.solo[group_index]:  # one rank: the partition is the whole layout
-            self.accumulators[group_index][slot.offset : slot.stop].add_(grad.reshape(-1))
-            self.scheduler.arrived(key, slot.index)
-            return
-        bucket = self.layouts[group_index].buckets[slot.bucket]
-        staging = self.staging.get(key)
-        if staging is None:
-            staging = self._take(key)
-            self.staging[key] = staging
-        start = slot.offset - bucket.start
-        piece = staging[start : start + slot.numel]
-        if self.scheduler.has_arrived(key, slot.index):  # a second gradient in one pass
-            piece.add_(grad.reshape(-1))
-        else:
-            piece.copy_(grad.reshape(-1))
-        self.scheduler.arrived(key, slot.index)
-
-    def _take(self, key: BucketKey) -> torch.Tensor:
-        """A staging tensor for bucket ``key`` from the pool (else a new one), padding zeroed."""
-        g, b = key
-        size = (self.layouts[g].buckets[b].numel, self.comm_dtypes[g])
-        free = self._pool.get(size)
-        staging = (
-            free.pop() if free else torch.empty(size[0], dtype=size[1], device=self.settings.device)
-        )
-        for lo, hi in self._gaps[g][b]:
-            staging[lo:hi].zero_()
-        return staging
-
-    def _launch(self, key: BucketKey) -> Finish:
-        g, b = key
-        if self.solo[g]:
-            return _done
-        layout = self.layouts[g]
-        bucket = layout.buckets[b]
-        start = bucket.local_start
-        target = self.accumulators[g][start : start + layout.chunk_numel(bucket)]
-        staging = self.staging.pop(key, None)
-        if staging is None:  # no parameter of the bucket got a gradient in this pass
-            staging = self._take(key)
-        for index in self.scheduler.absent(key, bucket.members):  # they count as zeros
-            slot = layout.slots[index]
-            staging[slot.offset - bucket.start : slot.stop - bucket.start].zero_()
-        pending = self._reduce(staging, g, scatter=True, async_op=self.overlap)
-
-        def finish() -> None:
-            target.add_(pending.wait())
-            self._pool.setdefault((staging.numel(), staging.dtype), []).append(staging)
-
-        return finish
-
-    def finish(self) -> None:
-        super().finish()
-        self._pool.clear()  # staging lives for one pass only
-
-    def partition_grads(self) -> list[torch.Tensor]:
-        return [_fp32(acc) for acc in self.accumulators]
-
-    def clear(self) -> None:
-        for acc in self.accumulators:
-            acc.zero_()
-        self.staging.clear()
-        self._pool.clear()
-
-    def tensors(self) -> list[torch.Tensor]:
-        return self.accumulators + list(self.staging.values())
-
-    def grad_partition(self, group_index: int) -> torch.Tensor | None:
-        return self.accumulators[group_index]
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        staging = list(self.staging.values())
-        return {"lp_grads": list(self.accumulators), "contiguous_grad_buffer": staging}

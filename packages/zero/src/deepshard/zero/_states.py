@@ -9,7 +9,7 @@ bytes back. The state types are DeepSpeed 0.19.7's (`OFFLOAD_STATE_TYPES`):
   Muon's momentum);
 * ``hp_params``: the fp32 master partitions;
 * ``lp_params``: the flat parameter buffers in the model dtype (the model's ``.data``);
-* ``lp_grads``: the reduced gradient partitions (stage 1 between the boundary pass and the step,
+* ``lp_grads``: the reduced gradient partitions (stage 1 from the first boundary pass on,
   stage 2 always; stage 0 has none, its reduced gradients live in the contiguous buffer);
 * ``contiguous_grad_buffer``: the full flat gradient buffers (stages 0-1, and stage 2's buffers
   of full-gradient groups).

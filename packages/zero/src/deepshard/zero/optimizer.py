@@ -357,7 +357,7 @@ class ZeroOptimizer(
                 "pass with is_boundary=True (outside no_sync()) since the last step"
             )
         norm, overflow = self._apply_gradients(loss_scale)
-        # the gradients are spent: free them (stage 1's partitions) before the all-gather
+        # the gradients are spent: the store marks them stale (the next pass overwrites them)
         self._store.clear()
         self._passes.consume()
         if not overflow:

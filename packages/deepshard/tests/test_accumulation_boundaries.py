@@ -22,6 +22,8 @@ from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.interface.errors import CheckpointError
 from deepshard.testing import import_beside, run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 _models = import_beside(__file__, "_models.py")
 GA = 4
 MICRO_STEPS = 12

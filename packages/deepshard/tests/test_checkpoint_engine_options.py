@@ -18,11 +18,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from deepshard.checkpoint import list_tags, load_state_dict_from_checkpoint
 from deepshard.testing import run_on_mesh
+
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
 
 
 def _engine(

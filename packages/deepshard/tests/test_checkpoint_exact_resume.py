@@ -17,10 +17,13 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from deepshard.testing import run_on_mesh
+
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
 
 SIZES = (13, 37, 29, 7)
 SAMPLES = 160

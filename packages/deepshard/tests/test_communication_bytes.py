@@ -30,6 +30,8 @@ import pytest
 
 from deepshard.testing import import_beside, run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 _models = import_beside(__file__, "_models.py")
 WORLD = 4
 STEPS = 3

@@ -16,6 +16,8 @@ import torch
 
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 STEPS = 3
 MICRO_BATCH = 8
 

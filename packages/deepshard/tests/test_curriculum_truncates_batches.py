@@ -16,6 +16,8 @@ import torch
 
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 SEQ, VOCAB, MICRO, STEPS = 16, 32, 2, 5
 
 

@@ -20,6 +20,8 @@ import torch
 
 from deepshard.testing import import_beside, run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 _models = import_beside(__file__, "_models.py")
 GA = 4
 STAGES = (0, 1, 2)

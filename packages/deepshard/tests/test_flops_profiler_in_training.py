@@ -22,6 +22,8 @@ import torch
 
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 _MICRO, _GA, _WIDTH = 4, 2, 16
 
 

@@ -13,10 +13,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from deepshard.testing import run_on_mesh
+
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
 
 _BATCH, _WIDTH = 8, 8
 

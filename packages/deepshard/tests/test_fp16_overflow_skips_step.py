@@ -25,6 +25,8 @@ import torch
 
 from deepshard.testing import import_beside, run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 _models = import_beside(__file__, "_models.py")
 STEPS = 6
 POISONED = 3

@@ -26,6 +26,8 @@ import torch
 
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 _ADAM = {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}
 
 

@@ -27,6 +27,8 @@ import deepshard.engine as ds
 from deepshard.engine._arguments import world_env
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 _CONFIG = {
     "train_batch_size": 4,
     "optimizer": {"type": "SGD", "params": {"lr": 0.1}},

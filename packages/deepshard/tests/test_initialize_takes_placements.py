@@ -22,6 +22,8 @@ from deepshard.interface import ParamPlacement, PlacementRegistry, Shard, Topolo
 from deepshard.interface.errors import ConfigError
 from deepshard.testing import fake_mesh, run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 D, H, C, EXPERTS, STEPS, LR, CLIP, WORLD, MB = 4, 8, 3, 2, 5, 1e-2, 0.05, 4, 3
 TOPOLOGY = Topology(dp=2, ep=2)
 

@@ -17,6 +17,8 @@ import torch
 from deepshard.interface import Topology
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 ROWS, HIDDEN, BLOCKS = 3, 5, 3
 
 

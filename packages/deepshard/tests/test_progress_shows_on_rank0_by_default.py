@@ -22,6 +22,8 @@ import pytest
 
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 _CONFIG: dict[str, Any] = {
     "train_batch_size": 4,
     "steps_per_print": 1,

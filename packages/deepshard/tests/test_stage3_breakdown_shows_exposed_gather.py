@@ -18,6 +18,8 @@ import torch
 
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 _STEPS, _WIDTH = 3, 64
 
 

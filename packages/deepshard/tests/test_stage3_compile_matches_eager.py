@@ -32,6 +32,8 @@ from deepshard.engine._compile import check_compile_request
 from deepshard.interface.errors import ConfigError
 from deepshard.testing import import_beside, run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 _models = import_beside(__file__, "_models.py")
 
 STEPS = 6

@@ -21,9 +21,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
+
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
 
 _models = import_beside(__file__, "_models.py")
 _muon = import_beside(__file__, "test_muon_through_initialize.py")

@@ -14,9 +14,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
+
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
 
 _models = import_beside(__file__, "_models.py")
 

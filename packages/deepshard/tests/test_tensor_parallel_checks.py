@@ -19,6 +19,8 @@ from deepshard.interface.config import DeepShardConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
 
 

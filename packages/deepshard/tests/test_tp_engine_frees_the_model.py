@@ -15,10 +15,13 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.interface import Topology
 from deepshard.testing import run_on_mesh
+
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
 
 SHAPE = {
     "vocab_size": 64,

@@ -18,6 +18,8 @@ import torch
 
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps a few lighter ones
+
 STEPS, LR, CLIP, WD, MB, SEQ = 5, 1e-2, 1.0, 0.01, 2, 8
 EPS = 1e-3
 """Adam's ``eps``: its update ``g / (|g| + eps)`` turns the rounding of a gradient that nearly

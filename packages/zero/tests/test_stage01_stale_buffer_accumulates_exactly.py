@@ -13,9 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import import_beside, run_on_mesh
+
+pytestmark = pytest.mark.slow  # 2 ranks, many cases: the main run covers it
 
 _training = import_beside(__file__, "_training.py")
 WORLD = 2

@@ -15,7 +15,8 @@ admitted row, the compacted tail) the write is one ``scatter_`` per tensor into 
 with an index built once per forward and shared by the layers, and the returned slots are views;
 other selections use advanced indexing and a gather. The loop passes the matching explicit
 ``position_ids`` and a 4-D mask hiding every slot a row has not written
-(`StaticKVCache.attention_mask`), and calls `StaticKVCache.advance` after the forward. ``lengths`` is one tensor moved in place, so a captured graph sees it move.
+(`StaticKVCache.attention_mask`), and calls `StaticKVCache.advance` after the forward.
+``lengths`` is one tensor moved in place, so a captured graph sees it move.
 
 ``head_dim`` comes from ``config.head_dim`` when the config has one (Qwen3: hidden 64, 4 heads,
 head_dim 32), else ``hidden_size // num_attention_heads`` — DeepSpeed sized its cache with the

@@ -165,7 +165,7 @@ class GroupedExperts(nn.Module):
             rows = blocks[slots[0]] if len(slots) == 1 else torch.cat([blocks[i] for i in slots])
             gate, up = F.linear(rows, gate_ups[expert]).chunk(2, dim=-1)
             out = F.linear(self.act_fn(gate) * up, downs[expert])
-            for slot, piece in zip(slots, out.split([sizes[i] for i in slots]), strict=True):
+            for slot, piece in zip(slots, torch.split(out, [sizes[i] for i in slots]), strict=True):
                 outputs[slot] = piece
         pieces = [o for o in outputs if o is not None]
         if not pieces:

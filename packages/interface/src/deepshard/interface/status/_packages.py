@@ -65,15 +65,16 @@ PACKAGES: tuple[PackageStatus, ...] = (
         "deepshard.autotp",
         "packages/autotp",
         "AutoTP plans (specs, presets, HF `tp_plan`, structure), per-model `AutoTPMeta`, "
-        "KV-group shard sizes (available); `parallelize` and the TP layers (planned)",
-        "partial",
+        "KV-group shard sizes, `parallelize` and the TP layers, TP checkpoints",
+        "available",
     ),
     PackageStatus(
         "deepshard-autoep",
         "deepshard.autoep",
         "packages/autoep",
-        "MoE routing (fp32 router: correction bias, group-limited), `fused_weighted_sum`, "
-        "DeepSpeed's classic `MoE` layer at ep_size 1 (available); expert parallelism (planned)",
+        "`parallelize_experts` (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3), the fp32 router, "
+        "`fused_weighted_sum`, ZeRO 1-3, `Init` per layer, AutoTP on one mesh, resharding "
+        "checkpoints, DeepSpeed's classic `MoE` (available); expert TP, DeepEP (planned)",
         "partial",
     ),
     PackageStatus(

@@ -20,7 +20,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "tools" / "bench" / "checkpoint.py"
 ROW = re.compile(
-    r"^\| (?P<name>[a-z]+) \| (?P<save>[\d.]+) \| (?P<save_tp>[\d.]+) \| (?P<load>[\d.]+) "
+    r"^\| (?P<name>[a-z+]+) \| (?P<fsync>yes|no) \| (?P<save>[\d.]+) \| (?P<save_tp>[\d.]+) "
+    r"\| (?P<load>[\d.]+) "
     r"\| (?P<load_tp>[\d.]+) \| (?P<mb>[\d.]+) \|$"
 )
 RATIO = re.compile(
@@ -64,14 +65,15 @@ def test_every_competitor_has_a_row_and_every_ratio_follows(output: str) -> None
     rows = _rows(output)
     expected = {"raw", "deepshard", "dcp"}
     if importlib.util.find_spec("deepspeed") is not None:
-        expected.add("deepspeed")
+        expected |= {"deepspeed", "deepspeed+fsync"}
     else:
         assert "skipped: deepspeed" in output
     assert set(rows) == expected, output
     assert all(r[k][1] > 0 for r in rows.values() for k in ("save", "load", "mb"))
     ratios = [m for m in map(RATIO.match, output.splitlines()) if m]
     pairs = {(m["theirs"], m["what"]) for m in ratios}
-    needed = {(t, w) for t in expected - {"deepshard"} for w in ("save", "load")}
+    # deepspeed+fsync has no target: only a "both durable" line, which RATIO does not match.
+    needed = {(t, w) for t in expected - {"deepshard", "deepspeed+fsync"} for w in ("save", "load")}
     assert pairs == needed, output
     for match in ratios:
         ours, theirs = rows["deepshard"], rows[match["theirs"]]

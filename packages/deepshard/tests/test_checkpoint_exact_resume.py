@@ -1,6 +1,8 @@
 """``save_checkpoint`` after 5 steps, ``load_checkpoint`` into a fresh engine, 5 more steps:
 bit-identical to 10 uninterrupted steps, at ZeRO stages 0-3 × world 1 and 2 (and stage 3 at
-world 4), bf16 at stage 2, Muon (its momentum is ZeRO's full-gradient buffer) at stages 2-3.
+world 4), bf16 at stage 2, Muon (its momentum is ZeRO's full-gradient buffer) at stages 2-3,
+CPU optimizer offload at stage 2 and parameter + optimizer offload at stage 3 (the host masters
+and moments, and an fp32 host partition that is its own master).
 
 The run is everything resume must restore: the engine's own data loader (its position in the
 epoch), dropout (torch's CPU generator), input noise from Python's `random`, a WarmupLR
@@ -49,6 +51,16 @@ def _data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, 3 * torch.randn(SAMPLES, SIZES[-1], generator=gen))
 
 
+def _offload(precision: str) -> dict[str, Any]:
+    """``fp32-offload-opt``: the optimizer on the host; ``-all``: the parameters too."""
+    if not precision.startswith("fp32-offload"):
+        return {}
+    section = {"offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    if precision == "fp32-offload-all":
+        section["offload_param"] = {"device": "cpu", "pin_memory": False}
+    return section
+
+
 def _engine(mesh: Any, stage: int, precision: str, seed: int) -> Any:
     import deepshard.engine as ds
 
@@ -62,7 +74,7 @@ def _engine(mesh: Any, stage: int, precision: str, seed: int) -> Any:
             "type": "WarmupLR",
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 8},
         },
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, **_offload(precision)},
         "bf16": {"enabled": precision == "bf16"},
     }
     engine, _, _, _ = ds.initialize(_model(seed), config, training_data=_data(), mesh=mesh)
@@ -178,6 +190,8 @@ def test_resume_is_exact_at_world_2(tmp_path: Path) -> None:
         (2, "bf16", False),
         (2, "fp32-muon", False),
         (3, "fp32-muon", False),
+        (2, "fp32-offload-opt", False),
+        (3, "fp32-offload-all", False),
     ]
     per_rank = run_on_mesh(
         _run, 2, args=(str(tmp_path / "ck"), cases), store_dir=tmp_path, timeout_s=280

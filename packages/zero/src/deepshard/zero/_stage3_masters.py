@@ -4,7 +4,8 @@ A unit's master covers only the *trainable prefix* of this rank's partition
 (`deepshard.zero._units.UnitPlan.trainable_numel`): frozen parameters sit at the end of the
 unit's layout and get neither a master nor optimizer state. On the device an fp32 partition is
 its own master (a view of its prefix); otherwise the master is a new fp32 copy, with or without
-optimizer offload (`deepshard.zero._stage3_offload` keeps its copy on the host or in files).
+optimizer offload (`deepshard.zero._stage3_offload` keeps its copy on the host or in files),
+except that an fp32 host partition (``offload_param: cpu``) is its own host master too.
 """
 
 from __future__ import annotations

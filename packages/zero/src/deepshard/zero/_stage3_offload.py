@@ -38,6 +38,7 @@ from deepshard.zero._offload import HostOffload, Views, _accelerator
 from deepshard.zero._offload_plan import SubGroup, adam_rule, offload_device
 from deepshard.zero._offload_state import HostState, NvmeState, host_allocator
 from deepshard.zero._optimizer_check import master_view_numel
+from deepshard.zero._param_offload import HostHome
 from deepshard.zero._partial_offload import DeviceShare, split_sub_groups
 from deepshard.zero._sharded import ShardedModule
 from deepshard.zero._stage3_masters import follow_partition
@@ -122,7 +123,10 @@ def build_stage3_offload(
         fp32 = [v.float() for v in values]
         state = NvmeState(fp32, subs, section, aio, moment_dtype, allocate, prefix=prefix)
     else:
-        masters = [allocate(n, torch.float32).copy_(v) for n, v in zip(numels, values, strict=True)]
+        masters = [
+            v if _own_master(u) else allocate(n, torch.float32).copy_(v)
+            for u, n, v in zip(units, numels, values, strict=True)
+        ]
         state = HostState(masters, moment_dtype if rule else None, allocate)
     host_out = [
         masters[i] if masters is not None and u.plan.dtype == torch.float32
@@ -146,6 +150,17 @@ def build_stage3_offload(
         device_share = DeviceShare(share, [v.to(device) for v in values], moment_dtype, device)
     return HostOffload(subs, state, rule, views, host_grads, host_out, [],
                        write_back=write_back, device=device, device_share=device_share)  # fmt: skip
+
+
+def _own_master(unit: object) -> bool:
+    """Whether a unit's host partition can be its own fp32 master (an fp32 `HostHome`).
+
+    With ``offload_param: cpu`` in fp32 the partition already is an fp32 host buffer holding
+    the master's values, so the optimizer steps it in place instead of a copy (4 bytes per
+    parameter less host memory); the write-back of a sub-group is then a copy onto itself.
+    """
+    home = getattr(unit, "home", None)
+    return isinstance(home, HostHome) and home.partition.dtype == torch.float32
 
 
 def follow_partitions(offload: HostOffload, sharded: ShardedModule, units: Sequence[int]) -> None:

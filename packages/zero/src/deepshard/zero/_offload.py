@@ -6,8 +6,9 @@ buffer, the gradients, and a copy of its master partition in the compute dtype, 
 all-gather after the step reads (`device_partitions`). One step, sub-group by sub-group
 (`deepshard.zero._offload_plan.plan_sub_groups`):
 
-1. the unscaled, clipped gradients of sub-group k+1 are copied into a host buffer (page-locked
-   where the accelerator can, asynchronously on a device) while sub-group k steps;
+1. the unscaled, clipped gradients of sub-group k+1 are copied into one of two host staging
+   buffers (page-locked where the accelerator can, asynchronously on a device) while sub-group
+   k steps from the other, so the host holds two sub-groups' gradients, never a partition's;
 2. sub-group k's master and moments are acquired (with NVMe: read ahead while k-1 stepped) and
    stepped by DeepShard's CPU Adam kernel, whose ``param_out`` writes the updated parameters in
    the compute dtype into a host buffer on the way (for an fp32 model the master is copied);
@@ -44,11 +45,11 @@ from deepshard.zero._offload_plan import (
     offload_problems,
     plan_sub_groups,
 )
-from deepshard.zero._offload_state import HostState, NvmeState, host_allocator
+from deepshard.zero._offload_state import Allocate, HostState, NvmeState, host_allocator
 from deepshard.zero._optimizer_check import master_view_numel
 from deepshard.zero._partial_offload import DeviceShare
 
-__all__ = ["HostOffload", "build_offload", "offload_problems"]
+__all__ = ["HostOffload", "build_offload", "grad_staging", "offload_problems"]
 
 Views = list[tuple[torch.Tensor, int, int]]
 
@@ -68,7 +69,9 @@ class HostOffload:
         rule: Reads Adam hyper-parameters from a param group; ``None`` steps the inner optimizer.
         views: Per group, the host master views the inner optimizer's group holds, with their
             ``[lo, hi)`` range of the partition.
-        host_grads: Per group, the host buffer the gradient partition is copied into.
+        grad_staging: Two host buffers of the largest sub-group's size: sub-group ``k``'s
+            gradient is copied into buffer ``k % 2`` while sub-group ``k - 1`` steps from the
+            other (`grad_staging`), so the host never holds a whole gradient partition.
         host_out: Per group, the host buffer of the updated partition in the compute dtype.
         device_partitions: Per group, the partition in the compute dtype on the device.
         write_back: Stores a stepped sub-group's compute-dtype values instead of copying them
@@ -84,7 +87,7 @@ class HostOffload:
         state: HostState | NvmeState,
         rule: AdamRule | None,
         views: list[Views],
-        host_grads: list[torch.Tensor],
+        grad_staging: tuple[torch.Tensor, torch.Tensor],
         host_out: list[torch.Tensor],
         device_partitions: list[torch.Tensor],
         *,
@@ -97,9 +100,9 @@ class HostOffload:
         self.state = state
         self.views = views
         self.device_partitions = device_partitions
-        self.host_grads, self.host_out = host_grads, host_out
+        self.grad_staging, self.host_out = grad_staging, host_out
         self._rule = rule
-        self._steps = [0] * len(host_grads)
+        self._steps = [0] * len(host_out)
         if device is None:
             device = device_partitions[0].device if device_partitions else torch.device("cpu")
         self._device = device
@@ -114,10 +117,15 @@ class HostOffload:
         event.record()
         return event.synchronize
 
-    def _to_host(self, sub: SubGroup, grads: Sequence[torch.Tensor]) -> Callable[[], None]:
+    def _to_host(
+        self, k: int, sub: SubGroup, grads: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Start copying sub-group ``k``'s gradient into staging buffer ``k % 2``: the buffer's
+        view and a wait for the copy."""
         src = grads[sub.group][sub.start : sub.stop]
-        self.host_grads[sub.group][sub.start : sub.stop].copy_(src, non_blocking=self._async)
-        return self._fence()
+        host = self.grad_staging[k % 2][: src.numel()]
+        host.copy_(src, non_blocking=self._async)
+        return host, self._fence()
 
     def step(
         self, inner: torch.optim.Optimizer, grads: Sequence[torch.Tensor], factor: float
@@ -140,13 +148,15 @@ class HostOffload:
         if not subs:
             return
         self.state.prefetch(subs[0])
-        ready = self._to_host(subs[0], grads)
+        grad, ready = self._to_host(0, subs[0], grads)
         for k, sub in enumerate(subs):
-            following = self._to_host(subs[k + 1], grads) if k + 1 < len(subs) else _noop
+            # the next copy goes into the other buffer; this one is free again once stepped
+            following = self._to_host(k + 1, subs[k + 1], grads) if k + 1 < len(subs) else None
             ready()
-            self._step_sub_group(inner, sub)
+            self._step_sub_group(inner, sub, grad)
             self._write_back(sub, self.host_out[sub.group][sub.start : sub.stop])
-            ready = following
+            if following is not None:
+                grad, ready = following
         self.state.finish()
         self._fence()()  # the host buffers are rewritten next step: the copies must be done
 
@@ -157,9 +167,10 @@ class HostOffload:
         target = self.device_partitions[sub.group][sub.start : sub.stop]
         target.copy_(out, non_blocking=self._async)
 
-    def _step_sub_group(self, inner: torch.optim.Optimizer, sub: SubGroup) -> None:
+    def _step_sub_group(
+        self, inner: torch.optim.Optimizer, sub: SubGroup, grad: torch.Tensor
+    ) -> None:
         master, exp_avg, exp_avg_sq = self.state.acquire(sub)
-        grad = self.host_grads[sub.group][sub.start : sub.stop]
         out = self.host_out[sub.group][sub.start : sub.stop]
         kernel_out = out if out.dtype != torch.float32 else None
         if self._rule is not None:
@@ -172,17 +183,18 @@ class HostOffload:
             )  # fmt: skip
         else:
             kernel_out = None
-            self._step_inner(inner, sub)
+            self._step_inner(inner, sub, grad)
         if kernel_out is None and out.data_ptr() != master.data_ptr():
             out.copy_(master)
         self.state.release(sub)
 
-    def _step_inner(self, inner: torch.optim.Optimizer, sub: SubGroup) -> None:
-        """Step the inner optimizer on this sub-group's views only (the others have no grad)."""
-        grad = self.host_grads[sub.group]
+    def _step_inner(self, inner: torch.optim.Optimizer, sub: SubGroup, grad: torch.Tensor) -> None:
+        """Step the inner optimizer on this sub-group's views only (the others have no grad);
+        ``grad`` holds the sub-group's elements, from ``sub.start``."""
         mine = [v for v in self.views[sub.group] if sub.start <= v[1] < sub.stop]
         for view, lo, hi in mine:
-            view.grad = grad[lo:hi]
+            assert hi <= sub.stop, "master views are cut at sub-group boundaries"
+            view.grad = grad[lo - sub.start : hi - sub.start]
         inner.step()
         for view, _, _ in mine:
             view.grad = None
@@ -284,6 +296,13 @@ def _views(
     return views
 
 
+def grad_staging(subs: Sequence[SubGroup], allocate: Allocate) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two fp32 host buffers the step pipeline stages gradients in, each as large as the
+    largest sub-group (DeepSpeed keeps a whole fp32 gradient partition on the host instead)."""
+    numel = max((sub.stop - sub.start for sub in subs), default=0)
+    return allocate(numel, torch.float32), allocate(numel, torch.float32)
+
+
 def build_offload(
     config: ZeroConfig,
     optimizer: torch.optim.Optimizer,
@@ -346,5 +365,5 @@ def build_offload(
         ]
     for param_group, held in zip(optimizer.param_groups, groups, strict=True):
         param_group["params"] = [view for view in held if view.numel()]
-    host_grads = [allocate(n, torch.float32) for n in numels]
-    return HostOffload(subs, state, rule, views, host_grads, host_out, device_partitions)
+    staging = grad_staging(subs, allocate)
+    return HostOffload(subs, state, rule, views, staging, host_out, device_partitions)

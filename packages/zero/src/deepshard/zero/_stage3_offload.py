@@ -34,7 +34,7 @@ import torch
 
 from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.zero._flat_params import master_views
-from deepshard.zero._offload import HostOffload, Views, _accelerator
+from deepshard.zero._offload import HostOffload, Views, _accelerator, grad_staging
 from deepshard.zero._offload_plan import SubGroup, adam_rule, offload_device
 from deepshard.zero._offload_state import HostState, NvmeState, host_allocator
 from deepshard.zero._optimizer_check import master_view_numel
@@ -140,7 +140,6 @@ def build_stage3_offload(
         views = [[] for _ in units]
         for group in optimizer.param_groups:
             group["params"] = []
-    host_grads = [allocate(n, torch.float32) for n in numels]
 
     def write_back(sub: SubGroup, out: torch.Tensor) -> None:
         units[sub.group].home.write(out, sub.start)
@@ -148,7 +147,7 @@ def build_stage3_offload(
     device_share = None
     if share:  # offload_problems allows ratio < 1 with the CPU Adam kernel and host buffers
         device_share = DeviceShare(share, [v.to(device) for v in values], moment_dtype, device)
-    return HostOffload(subs, state, rule, views, host_grads, host_out, [],
+    return HostOffload(subs, state, rule, views, grad_staging(subs, allocate), host_out, [],
                        write_back=write_back, device=device, device_share=device_share)  # fmt: skip
 
 

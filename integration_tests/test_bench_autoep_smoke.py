@@ -1,14 +1,19 @@
 """`tools/bench/autoep.py --quick` runs end to end: both rows, and a ratio that follows from them;
-DeepSpeed's AutoEP row (left out here with --no-deepspeed) ran or printed why it was skipped.
+DeepSpeed's AutoEP row (left out here with --no-deepspeed) ran or printed why it was skipped;
+the ``--json`` report `run.py` collects holds the same step times and the paired ratios.
 
 One smoke run (hidden 64, 8 experts, 1 warm-up + 4 timed steps per row on 2 gloo ranks). Both
 rows must report a positive step time and a tokens/s equal to tokens per step over it (to the
 printed rounding), and the ratio line must be their quotient with the verdict its target says.
+The JSON's per-step times must give the printed medians, its step-time ratios must be the
+step-by-step quotients of those times, and the DeepSpeed row must be listed as missing.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +33,10 @@ RATIO = re.compile(
 
 
 @pytest.mark.timeout(600)
-def test_both_rows_run_and_the_ratio_follows() -> None:
+def test_both_rows_run_and_the_ratio_follows(tmp_path: Path) -> None:
+    report_path = tmp_path / "autoep.json"
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--no-deepspeed"],
+        [sys.executable, str(BENCH), "--quick", "--no-deepspeed", "--json", str(report_path)],
         capture_output=True,
         text=True,
         timeout=560,
@@ -57,3 +63,18 @@ def test_both_rows_run_and_the_ratio_follows() -> None:
     ds_ran = any(line.startswith("deepshard-ep2 / deepspeed-autoep tokens/s: ") for line in lines)
     ds_skipped = re.search(r"^skipped: deepspeed autoep \(.+\)$", done.stdout, re.M)
     assert ds_ran or ds_skipped is not None, done.stdout
+
+    # The JSON report: the same steps, the ratios paired step by step, DeepSpeed missing.
+    report = json.loads(report_path.read_text())
+    assert report["suite"] == "autoep"
+    times = {name: figure["time_s"] for name, figure in report["figures"].items()}
+    assert sorted(times) == ["deepshard-ep2", "hf-ddp"]
+    for name, series in times.items():
+        assert len(series) == 4  # --quick: 4 timed steps
+        median_ms = statistics.median(series) * 1e3
+        assert abs(median_ms - float(rows[name]["ms"])) <= 0.006, (name, median_ms)
+    [row] = report["rows"]
+    assert (row["ours"], row["theirs"], row["measure"]) == ("deepshard-ep2", "hf-ddp", "step time")
+    paired = [a / b for a, b in zip(times["deepshard-ep2"], times["hf-ddp"], strict=True)]
+    assert row["ratios"] == pytest.approx(paired, rel=1e-12)
+    assert report["missing"] == {"deepspeed-autoep": "left out (--no-deepspeed)"}

@@ -118,6 +118,11 @@ def run_rank(job: dict[str, Any]) -> None:
     store = dist.FileStore(job["store"], world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     spec = job["spec"]
+    # DeepSpeed's initialize reads the launcher's variables even on an initialized group.
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+    })  # fmt: skip
     dims = ParallelDims.build(Topology(ep=world))
     base = build_model(spec)
     ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -131,7 +136,9 @@ def run_rank(job: dict[str, Any]) -> None:
         lambda: _reduce_ep_grads(ep_model, dims, report.placements),
     )
     rows = ROWS
-    engine = _deepspeed_autoep(base, spec, world) if spec.get("deepspeed", True) else "not run"
+    engine: Any = "left out (--no-deepspeed)"
+    if spec.get("deepspeed", True):
+        engine = _deepspeed_autoep(base, spec, world)
     skipped = engine if isinstance(engine, str) else None
     if skipped is None:
         models[DEEPSPEED_ROW] = (engine, lambda: None)

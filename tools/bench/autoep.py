@@ -1,7 +1,7 @@
 """AutoEP: tokens/s of forward + backward of a tiny Mixtral, DeepShard EP=2 vs HF under DDP.
 
-    uv run --all-packages python tools/bench/autoep.py [--quick] [--steps 12] [--warmup 2]
-        [--hidden 128]
+    uv run --all-packages --group bench python tools/bench/autoep.py [--quick] [--steps 12]
+        [--warmup 2] [--hidden 128] [--no-deepspeed] [--json OUT]
 
 Two CPU ranks over gloo train the same tiny ``MixtralForCausalLM`` (2 layers, hidden 128,
 intermediate 256, 8 experts, top-2, vocabulary 512; ``--quick``: hidden 64, 4 steps) on
@@ -16,6 +16,11 @@ transformers: ``deepspeed.initialize`` with ``expert_parallel: {enabled, autoep_
 preset_model: mixtral}`` on the same gloo group, one forward + ``engine.backward`` first; when
 that raises, the row prints ``skipped: deepspeed autoep (<error>)`` with the real error instead
 of a number (``--no-deepspeed`` leaves it out).
+
+``--json OUT`` also writes the report `run.py` collects (`_bench_json`): the step-time ratio
+``deepshard-ep2`` / each competitor paired step by step (the rows alternate, so each timed step
+of one row has a neighbour of the other; lower is better), every row's step times, and the
+DeepSpeed row under ``missing`` with its reason when it did not run.
 
 Exit status: 0 when both rows ran (a missed target included), 1 otherwise.
 """
@@ -37,8 +42,10 @@ os.environ.setdefault("DEEPSHARD_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import _autoep_worker
+import _bench_json
 
 WORLD = 2
+OURS = "deepshard-ep2"
 TARGET = 1.2
 TIMEOUT_S = 900.0
 
@@ -53,6 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size (intermediate 2x)")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's AutoEP row")
+    parser.add_argument("--json", type=Path, help="also write the ratios as JSON (for run.py)")
     return parser.parse_args(argv)
 
 
@@ -95,6 +103,22 @@ def _run(spec: dict[str, Any], folder: Path) -> dict[str, Any] | None:
     return result
 
 
+def write_json(path: Path | None, result: dict[str, Any]) -> None:
+    """Step time of ``deepshard-ep2`` over each competitor, paired step by step."""
+    times: dict[str, list[float]] = result["times"]
+    ours = times[OURS]
+    rows = [
+        _bench_json.ratio_row(OURS, theirs, "step time", _bench_json.paired_ratios(ours, series))
+        for theirs, series in times.items()
+        if theirs != OURS
+    ]
+    figures = {row: {"time_s": series, "peak_mib": None} for row, series in times.items()}
+    missing = {}
+    if _autoep_worker.DEEPSPEED_ROW not in times:
+        missing[_autoep_worker.DEEPSPEED_ROW] = str(result["deepspeed_skipped"])
+    _bench_json.write(path, "autoep", rows, figures, missing)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run both rows once, interleaved, and print the table and the verdict."""
     args = parse_args(argv)
@@ -119,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepshard-ep2 / deepspeed-autoep tokens/s: {ds_ratio:.2f}x")
     else:
         print(f"skipped: deepspeed autoep ({result['deepspeed_skipped']})")
+    write_json(args.json, result)
     return 0
 
 

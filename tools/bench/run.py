@@ -67,6 +67,7 @@ SUITES = (
     Suite("sequence_parallel", "sequence_parallel.py", (), ("--quick",)),
     Suite("checkpoint", "checkpoint.py", (), ("--quick",)),
     Suite("autotp", "autotp.py", (), ("--quick",)),
+    Suite("autoep", "autoep.py", (), ("--quick",)),
     Suite("inference", "inference.py", (), ("--quick",)),
 )  # fmt: skip
 BY_NAME = {suite.name: suite for suite in SUITES}

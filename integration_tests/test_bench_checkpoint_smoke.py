@@ -4,7 +4,8 @@ The benchmark runs once, in a subprocess, at its smoke size (a tiny model, one r
 ranks). DeepSpeed is only in the optional `bench` dependency group, so its row is required only
 where it is importable; otherwise the run must say ``skipped: deepspeed``. Every ratio line must
 follow from the table's figures (recomputed here from the printed times and sizes), and its
-verdict from its target.
+verdict from its target; each competitor's load time must be the fastest of the timed loads
+the ``load tries`` line lists for it (two per round).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ RATIO = re.compile(
     r"^deepshard / (?P<theirs>[a-z]+): (?P<what>save|load) (?P<kind>time|throughput) ratio "
     r"(?P<ratio>[\d.]+) \(target (?P<sign><=|>=) (?P<target>[\d.]+)\): (?P<verdict>MET|MISSED)$"
 )
+TRIES = re.compile(r"^load tries, s \(each after an eviction; the fastest counts\): (?P<cells>.+)$")
 ASYNC = re.compile(
     r"^deepshard async / sync: save blocking ratio (?P<ratio>[\d.]+) \(target <= 0.1\): "
     r"(?P<verdict>MET|MISSED) \(blocked (?P<blocked>[\d.]+) s, finished in (?P<total>[\d.]+) s\)$"
@@ -94,6 +96,16 @@ def test_every_competitor_has_a_row_and_every_ratio_follows(output: str) -> None
             else float(match["ratio"]) >= float(match["target"])
         )
         assert (match["verdict"] == "MET") == met, match[0]
+    (tries_line,) = [m for m in map(TRIES.match, output.splitlines()) if m]
+    tries = {
+        name: [float(t) for t in times.split(" / ")]
+        for name, _, times in (cell.partition(" ") for cell in tries_line["cells"].split("; "))
+    }
+    assert set(tries) == expected - {"deepspeed+fsync"}, tries_line[0]
+    for name, times in tries.items():
+        assert len(times) == 2, (name, times)  # --quick: one round, two timed loads
+        low, high = rows[name]["load"]
+        assert low - 5e-4 <= min(times) <= high + 5e-4, (name, times, rows[name]["load"])
     (async_line,) = [m for m in map(ASYNC.match, output.splitlines()) if m]
     assert float(async_line["blocked"]) <= float(async_line["total"])
     assert (async_line["verdict"] == "MET") == (float(async_line["ratio"]) <= 0.1)

@@ -2,7 +2,8 @@
 
 Both rows start from the same seeded weights and read the same per-rank batches:
 
-* ``hf-ddp``: the unreplaced ``MixtralForCausalLM`` (transformers' own experts loop) wrapped in
+* ``hf-ddp``: the unreplaced ``MixtralForCausalLM`` (transformers' own experts forward:
+  in transformers 5 a grouped matrix multiply, ``torch._grouped_mm`` on CPU, not a loop) wrapped in
   ``torch.nn.parallel.DistributedDataParallel`` (its bucketed all-reduce overlaps backward);
 * ``deepshard-ep2``: `deepshard.autoep.parallelize_experts` on the ``ep`` axis (each rank keeps
   half the experts, tokens move by all-to-all), then each gradient averaged over its

@@ -4,7 +4,9 @@ Without processes: `local_expert_order` regroups (source, local expert) blocks i
 expert blocks (checked against a list built by hand), and `GroupedExperts` equals a per-expert
 loop written here, including an expert with no rows and a rank with no rows at all, whose
 (empty) output must still reach back to its input (else that rank would skip the dispatch
-all-to-all in backward while its peers wait).
+all-to-all in backward while its peers wait). On CPU the grouped path (``torch._grouped_mm``)
+equals the looped one in values and gradients, and a ``_grouped_mm`` with a wrong backward is
+refused by the probe (the loop runs instead).
 
 On 2 gloo ranks: each rank sends rows tagged with (source rank, global expert) to the owners
 of the experts; the owner must receive exactly the tags of its experts, grouped by source, and
@@ -22,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepshard.autoep import AllToAllTransport, GroupedExperts
+from deepshard.autoep import AllToAllTransport, GroupedExperts, _grouped_experts
 from deepshard.autoep._dispatch import local_expert_order
 from deepshard.interface import ExpertTransport, Topology
 from deepshard.testing import run_on_mesh
@@ -65,6 +67,72 @@ def test_grouped_experts_equal_a_loop_over_experts() -> None:
         gate, up = (block @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
         expected.append((F.silu(gate) * up) @ experts.down_proj[e].T)
     torch.testing.assert_close(out, torch.cat(expected))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_grouped_mm_path_equals_the_loop_path_with_gradients(dtype: torch.dtype) -> None:
+    # The workspace's torch has a CPU _grouped_mm whose backward agrees, so the probe admits it
+    # and the same experts run both ways: grouped, and looped (use_grouped_mm=False).
+    gen = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(4, 32, 16, generator=gen).to(dtype)
+    down = torch.randn(4, 16, 16, generator=gen).to(dtype)
+    x = torch.randn(11, 16, generator=gen).to(dtype)
+    sizes = torch.tensor([0, 6, 0, 5])  # empty groups first and in the middle
+    grad_out = torch.randn(11, 16, generator=gen).to(dtype)
+    results = []
+    for grouped in (True, False):
+        experts = GroupedExperts(
+            torch.nn.Parameter(gate_up.clone()),
+            torch.nn.Parameter(down.clone()),
+            F.silu,
+            grad_scale=0.5,
+            use_grouped_mm=grouped,
+        )
+        rows = x.clone().requires_grad_(True)
+        assert experts.uses_grouped_mm(rows) is grouped
+        out = experts(rows, sizes)
+        out.backward(grad_out)
+        assert experts.gate_up_proj.grad is not None and experts.down_proj.grad is not None
+        results.append((out, rows.grad, experts.gate_up_proj.grad, experts.down_proj.grad))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, **tol)
+    assert not results[0][2][[0, 2]].any()  # experts without rows get no gradient
+
+
+def test_a_cpu_grouped_mm_with_a_wrong_backward_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = torch._grouped_mm
+
+    class _WrongBackward(torch.autograd.Function):
+        """The real forward; a backward of the right shapes but zero values."""
+
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> Any:
+            ctx.shapes = (a.shape, b.shape)
+            return real(a, b, offs=offs)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+            a_shape, b_shape = ctx.shapes
+            return grad.new_zeros(a_shape), grad.new_zeros(b_shape), None
+
+    def wrong(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+        return _WrongBackward.apply(a, b, offs)
+
+    agrees = _grouped_experts._cpu_grouped_mm_agrees
+    agrees.cache_clear()
+    monkeypatch.setattr(torch, "_grouped_mm", wrong)
+    try:
+        experts = _experts(3)
+        x = torch.randn(7, 8, requires_grad=True)
+        assert not experts.uses_grouped_mm(x)
+        out = experts(x, torch.tensor([4, 0, 3]))  # the loop runs instead, gradients intact
+        out.sum().backward()
+        assert x.grad is not None and experts.gate_up_proj.grad is not None
+    finally:
+        agrees.cache_clear()
 
 
 def test_a_rank_without_rows_keeps_its_input_and_weights_in_the_graph() -> None:

@@ -4,8 +4,11 @@ Each expert is a gated MLP ``down(act(x·gateᵀ) * (x·upᵀ))``, the layout of
 ``gate_up_proj [E, 2I, H]`` (gate rows first, then up rows) and ``down_proj [E, H, I]``. The
 rows of all local experts arrive expert-contiguous (``group_sizes`` rows for each), so one
 ``torch._grouped_mm`` per projection computes every expert at once where the device has the
-kernel (CUDA). Elsewhere (CPU, where its backward is not implemented for every case) a loop
-over the experts' row blocks runs the same products, skipping empty experts.
+kernel. On CUDA it is used as is. On CPU it is used once a probe (`_cpu_grouped_mm_agrees`, run
+once per dtype and process: three experts, the middle one without rows, forward and backward) has
+matched a per-expert loop, so a torch whose CPU kernel or backward is missing or wrong falls
+back to the loop instead of training wrongly. Elsewhere, and where the probe fails, a loop over
+the experts' row blocks runs the same products, skipping empty experts.
 
 ``torch._grouped_mm`` needs every stride and the data pointer 16-byte aligned (v0.19.7 fixed
 crashes from unaligned expert slices). `aligned_expert_weight` copies a slice into fresh storage
@@ -23,6 +26,7 @@ dense data-parallel ranks. `GroupedExperts` multiplies its weights' gradient by 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,11 +54,65 @@ def _strides_aligned(tensor: torch.Tensor) -> bool:
     )
 
 
+def _gated_mlp_by_loop(
+    x: torch.Tensor, sizes: list[int], gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    outputs = []
+    for expert, block in enumerate(torch.split(x, sizes)):
+        gate, up = F.linear(block, gate_up[expert]).chunk(2, dim=-1)
+        outputs.append(F.linear(F.silu(gate) * up, down[expert]))
+    return torch.cat(outputs)
+
+
+def _gated_mlp_grouped(
+    x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offsets)
+
+
+@functools.cache
+def _cpu_grouped_mm_agrees(dtype: torch.dtype) -> bool:
+    """Whether CPU ``torch._grouped_mm`` gives the loop's outputs and gradients in ``dtype``.
+
+    Three experts (hidden 32, intermediate 16) get 5, 0 and 3 rows: an empty group between two
+    others is where a wrong backward shows (its weight gradient must be zero and its
+    neighbours' rows must not mix). Outputs and the gradients of the rows and of both weights
+    are compared with the loop's after the same ops in ``dtype``.
+    """
+    generator = torch.Generator().manual_seed(0)
+    sizes = [5, 0, 3]
+
+    def make(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype).requires_grad_(True)
+
+    x, gate_up, down = make(sum(sizes), 32), make(len(sizes), 32, 32), make(len(sizes), 32, 16)
+    grad_out = torch.randn(sum(sizes), 32, generator=generator).to(dtype)
+    offsets = torch.cumsum(torch.tensor(sizes), dim=0, dtype=torch.int32)
+    try:
+        grouped = _gated_mlp_grouped(x, offsets, gate_up, down)
+        got = (grouped, *torch.autograd.grad(grouped, (x, gate_up, down), grad_out))
+    except (RuntimeError, NotImplementedError):
+        return False
+    looped = _gated_mlp_by_loop(x, sizes, gate_up, down)
+    want = (looped, *torch.autograd.grad(looped, (x, gate_up, down), grad_out))
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    return all(
+        torch.allclose(a.float(), b.float(), rtol=tolerance, atol=tolerance)
+        for a, b in zip(got, want, strict=True)
+    )
+
+
 def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` can run these operands (CUDA, aligned, 16-bit or fp32)."""
-    if not hasattr(torch, "_grouped_mm") or x.device.type != "cuda":
+    """Whether ``torch._grouped_mm`` can run these operands (aligned, 16-bit or fp32).
+
+    On CUDA the kernel is trusted; on CPU only once `_cpu_grouped_mm_agrees` for the dtype.
+    """
+    if not hasattr(torch, "_grouped_mm") or x.device.type not in ("cuda", "cpu"):
         return False
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if x.device.type == "cpu" and not _cpu_grouped_mm_agrees(x.dtype):
         return False
     # Every row of the activations and of each (transposed) weight must start 16-byte aligned.
     return _strides_aligned(x) and all(_strides_aligned(w) for w in weights)

@@ -1,10 +1,12 @@
-"""`tools/bench/autoep.py --quick` runs end to end: both rows, and a ratio that follows from them;
+"""`tools/bench/autoep.py --quick` runs end to end: both rows and the ``hf-alone`` reference, and
+ratios that follow from them;
 DeepSpeed's AutoEP row (left out here with --no-deepspeed) ran or printed why it was skipped;
 the ``--json`` report `run.py` collects holds the same step times and the paired ratios.
 
 One smoke run (hidden 64, 8 experts, 1 warm-up + 4 timed steps per row on 2 gloo ranks). Both
 rows must report a positive step time and a tokens/s equal to tokens per step over it (to the
-printed rounding), and the ratio line must be their quotient with the verdict its target says.
+printed rounding), the ratio line must be their quotient with the verdict its target says, and
+the ``hf-ddp / hf-alone`` line the quotient of those two rows.
 The JSON's per-step times must give the printed medians, its step-time ratios must be the
 step-by-step quotients of those times, and the DeepSpeed row must be listed as missing.
 """
@@ -24,12 +26,13 @@ pytest.importorskip("transformers", reason="transformers is in the dev group onl
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "tools" / "bench" / "autoep.py"
-ROW = re.compile(r"^(?P<name>hf-ddp|deepshard-ep2)\s+(?P<ms>[\d.]+)\s+(?P<rate>\d+)$")
+ROW = re.compile(r"^(?P<name>hf-ddp|deepshard-ep2|hf-alone)\s+(?P<ms>[\d.]+)\s+(?P<rate>\d+)$")
 TOKENS = re.compile(r"(?P<tokens>\d+) tokens/step")
 RATIO = re.compile(
     r"^deepshard-ep2 / hf-ddp tokens/s: (?P<ratio>[\d.]+)x \(target >= (?P<target>[\d.]+)x\): "
     r"(?P<verdict>MET|MISSED)$"
 )
+BOUND = re.compile(r"^hf-ddp / hf-alone step time: (?P<bound>[\d.]+)x ")
 
 
 @pytest.mark.timeout(600)
@@ -49,7 +52,7 @@ def test_both_rows_run_and_the_ratio_follows(tmp_path: Path) -> None:
     assert tokens_match is not None, done.stdout
     tokens = int(tokens_match["tokens"])
     rows = {m["name"]: m for m in map(ROW.match, lines) if m}
-    assert sorted(rows) == ["deepshard-ep2", "hf-ddp"], done.stdout
+    assert sorted(rows) == ["deepshard-ep2", "hf-alone", "hf-ddp"], done.stdout
     for row in rows.values():
         ms = float(row["ms"])
         assert ms > 0
@@ -59,6 +62,10 @@ def test_both_rows_run_and_the_ratio_follows(tmp_path: Path) -> None:
     assert abs(float(ratio["ratio"]) - expected) <= 0.01 + 0.01 * expected
     met = float(ratio["ratio"]) >= float(ratio["target"])
     assert (ratio["verdict"] == "MET") == met
+    # The reference line: hf-ddp's step time over hf-alone's (no gradient exchange).
+    bound = next(m for m in map(BOUND.match, lines) if m)
+    expected_bound = int(rows["hf-alone"]["rate"]) / int(rows["hf-ddp"]["rate"])
+    assert abs(float(bound["bound"]) - expected_bound) <= 0.01 + 0.01 * expected_bound
     # DeepSpeed's AutoEP row either ran (a ratio line) or says why not, with its error.
     ds_ran = any(line.startswith("deepshard-ep2 / deepspeed-autoep tokens/s: ") for line in lines)
     ds_skipped = re.search(r"^skipped: deepspeed autoep \(.+\)$", done.stdout, re.M)
@@ -68,12 +75,12 @@ def test_both_rows_run_and_the_ratio_follows(tmp_path: Path) -> None:
     report = json.loads(report_path.read_text())
     assert report["suite"] == "autoep"
     times = {name: figure["time_s"] for name, figure in report["figures"].items()}
-    assert sorted(times) == ["deepshard-ep2", "hf-ddp"]
+    assert sorted(times) == ["deepshard-ep2", "hf-alone", "hf-ddp"]
     for name, series in times.items():
         assert len(series) == 4  # --quick: 4 timed steps
         median_ms = statistics.median(series) * 1e3
         assert abs(median_ms - float(rows[name]["ms"])) <= 0.006, (name, median_ms)
-    [row] = report["rows"]
+    [row] = report["rows"]  # hf-alone is a reference, not a competitor: no ratio row
     assert (row["ours"], row["theirs"], row["measure"]) == ("deepshard-ep2", "hf-ddp", "step time")
     paired = [a / b for a, b in zip(times["deepshard-ep2"], times["hf-ddp"], strict=True)]
     assert row["ratios"] == pytest.approx(paired, rel=1e-12)

@@ -8,7 +8,11 @@ Both rows start from the same seeded weights and read the same per-rank batches:
 * ``deepshard-ep2``: `deepshard.autoep.parallelize_experts` on the ``ep`` axis (each rank keeps
   half the experts, tokens move by all-to-all), then each gradient averaged over its
   placement's group: the dense ones flattened into one all-reduce over ``dp × ep``, the expert
-  ones over ``dp`` (a single rank here, so nothing to send).
+  ones over ``dp`` (a single rank here, so nothing to send);
+* ``hf-alone`` (a reference, not a competitor): the same HF model with no gradient exchange at
+  all, each rank on its own batch. ``hf-ddp`` minus it is what DDP's all-reduce costs, so
+  ``hf-ddp / hf-alone`` is what removing every gradient exchange would gain when the experts
+  cost what HF's do: at few experts it bounds what expert parallelism can win here.
 
 A step is forward + backward + gradient reduction (no optimizer step: it is the same for both
 and not what expert parallelism changes). Rows alternate step by step after a warm-up, so a
@@ -33,6 +37,7 @@ from deepshard.comm import ParallelDims, all_reduce
 from deepshard.interface import Topology
 
 ROWS = ("hf-ddp", "deepshard-ep2")
+REFERENCE_ROW = "hf-alone"
 DEEPSPEED_ROW = "deepspeed-autoep"
 
 
@@ -47,7 +52,7 @@ def build_model(spec: dict[str, Any]) -> torch.nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         num_local_experts=spec["experts"],
-        num_experts_per_tok=2,
+        num_experts_per_tok=spec["top_k"],
         max_position_embeddings=spec["seq"],
         attn_implementation="sdpa",
     )
@@ -127,6 +132,7 @@ def run_rank(job: dict[str, Any]) -> None:
     dims = ParallelDims.build(Topology(ep=world))
     base = build_model(spec)
     ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    alone = copy.deepcopy(base)
     ep_model = base
     report = parallelize_experts(ep_model, dims)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -136,14 +142,15 @@ def run_rank(job: dict[str, Any]) -> None:
         ep_model,
         lambda: _reduce_ep_grads(ep_model, dims, report.placements),
     )
-    rows = ROWS
+    models[REFERENCE_ROW] = (alone, lambda: None)
+    rows: tuple[str, ...] = (*ROWS, REFERENCE_ROW)
     engine: Any = "left out (--no-deepspeed)"
     if spec.get("deepspeed", True):
         engine = _deepspeed_autoep(base, spec, world)
     skipped = engine if isinstance(engine, str) else None
     if skipped is None:
         models[DEEPSPEED_ROW] = (engine, lambda: None)
-        rows = (*ROWS, DEEPSPEED_ROW)
+        rows = (*rows, DEEPSPEED_ROW)
     times: dict[str, list[float]] = {row: [] for row in rows}
     for step in range(spec["warmup"] + spec["steps"]):
         for row in rows if step % 2 == 0 else reversed(rows):

@@ -133,14 +133,17 @@ def _timed(fn: Any) -> float:
 
 def _raw(job: RankJob, shape: Shape, folder: Path) -> dict[str, Any]:
     share = 12 * shape.params // job.world
-    block = bytes(os.urandom(1 << 20)) * (min(BLOCK, max(share, 1 << 20)) >> 20)
+    # Random bytes that never repeat: a file made of one block written over and over could be
+    # deduplicated or compressed below the page cache (a virtual disk's host), and read back
+    # faster than real tensor bytes would be.
+    data = memoryview(os.urandom(share))
     path = folder / f"raw-{job.rank}.bin"
 
     def write() -> None:
         with open(path, "wb", buffering=0) as handle:
-            left = share
-            while left > 0:
-                left -= handle.write(memoryview(block)[: min(left, len(block))])
+            done = 0
+            while done < share:
+                done += handle.write(data[done : done + BLOCK])
             os.fsync(handle.fileno())
 
     # Read into one reused, already touched buffer: ``handle.read(BLOCK)`` allocated a fresh

@@ -100,7 +100,8 @@ class ExpertParallelConfig(ConfigModel):
     """Regex matching the router (gate) inside a MoE block."""
 
     use_grouped_mm: bool = True
-    """Run experts with a grouped matrix multiply."""
+    """Run experts with ``torch._grouped_mm`` where the operands allow it (CUDA; CPU once a
+    one-time check against a per-expert loop agrees); False always loops over the experts."""
 
     disable_triton_grouped_mm: bool = False
     """Use the PyTorch grouped matmul even where a Triton kernel exists."""

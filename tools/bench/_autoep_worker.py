@@ -12,7 +12,7 @@ Both rows start from the same seeded weights and read the same per-rank batches:
 * ``hf-alone`` (a reference, not a competitor): the same HF model with no gradient exchange at
   all, each rank on its own batch. ``hf-ddp`` minus it is what DDP's all-reduce costs, so
   ``hf-ddp / hf-alone`` is what removing every gradient exchange would gain when the experts
-  cost what HF's do: at few experts it bounds what expert parallelism can win here.
+  cost what HF's do (EP's may cost less: they are not a strict bound).
 
 A step is forward + backward + gradient reduction (no optimizer step: it is the same for both
 and not what expert parallelism changes). Rows alternate step by step after a warm-up, so a

@@ -54,21 +54,41 @@ def _strides_aligned(tensor: torch.Tensor) -> bool:
     )
 
 
-def _gated_mlp_by_loop(
-    x: torch.Tensor, sizes: list[int], gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _grouped(
+    x: torch.Tensor, group_sizes: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    act_fn: Activation,
+) -> torch.Tensor:  # fmt: skip
+    """Every expert at once: one ``torch._grouped_mm`` per projection."""
+    offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
+    hidden = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets)
+    gate, up = hidden.chunk(2, dim=-1)
+    return torch._grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)
+
+
+def _looped(
+    x: torch.Tensor, group_sizes: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    act_fn: Activation,
+) -> torch.Tensor:  # fmt: skip
+    """The fallback: one pair of GEMMs per non-empty expert (host sync for the sizes)."""
     outputs = []
-    for expert, block in enumerate(torch.split(x, sizes)):
-        gate, up = F.linear(block, gate_up[expert]).chunk(2, dim=-1)
-        outputs.append(F.linear(F.silu(gate) * up, down[expert]))
+    blocks = torch.split(x, [int(s) for s in group_sizes.tolist()])
+    # unbind, not gate_up[e]: one backward stacking every expert's gradient instead of a
+    # zero-filled full-size gradient per indexed expert (a third of the step on CPU).
+    gate_ups, downs = gate_up.unbind(0), down.unbind(0)
+    for expert, block in enumerate(blocks):
+        if block.shape[0] == 0:
+            continue
+        gate, up = F.linear(block, gate_ups[expert]).chunk(2, dim=-1)
+        outputs.append(F.linear(act_fn(gate) * up, downs[expert]))
+    if not outputs:
+        # No rows. The (empty) output must still depend on x and on the weights: otherwise
+        # this rank's backward skips the dispatch all-to-all that its peers run (a hang)
+        # and leaves the weights without a gradient.
+        return x * 0.0 + 0.0 * (gate_up.sum() + down.sum())
     return torch.cat(outputs)
-
-
-def _gated_mlp_grouped(
-    x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offsets)
 
 
 @functools.cache
@@ -81,20 +101,20 @@ def _cpu_grouped_mm_agrees(dtype: torch.dtype) -> bool:
     are compared with the loop's after the same ops in ``dtype``.
     """
     generator = torch.Generator().manual_seed(0)
-    sizes = [5, 0, 3]
+    sizes = torch.tensor([5, 0, 3])
 
     def make(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype).requires_grad_(True)
 
-    x, gate_up, down = make(sum(sizes), 32), make(len(sizes), 32, 32), make(len(sizes), 32, 16)
-    grad_out = torch.randn(sum(sizes), 32, generator=generator).to(dtype)
-    offsets = torch.cumsum(torch.tensor(sizes), dim=0, dtype=torch.int32)
+    rows, experts = int(sizes.sum()), len(sizes)
+    x, gate_up, down = make(rows, 32), make(experts, 32, 32), make(experts, 32, 16)
+    grad_out = torch.randn(rows, 32, generator=generator).to(dtype)
     try:
-        grouped = _gated_mlp_grouped(x, offsets, gate_up, down)
+        grouped = _grouped(x, sizes, gate_up, down, F.silu)
         got = (grouped, *torch.autograd.grad(grouped, (x, gate_up, down), grad_out))
     except (RuntimeError, NotImplementedError):
         return False
-    looped = _gated_mlp_by_loop(x, sizes, gate_up, down)
+    looped = _looped(x, sizes, gate_up, down, F.silu)
     want = (looped, *torch.autograd.grad(looped, (x, gate_up, down), grad_out))
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     return all(
@@ -174,13 +194,8 @@ class GroupedExperts(nn.Module):
             ``[N, H]`` expert outputs in the same row order.
         """
         gate_up, down = self._scaled_weights()
-        gate_up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)
-        if self.use_grouped_mm and grouped_mm_usable(x, gate_up_t, down_t):
-            offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
-            hidden = torch._grouped_mm(x, gate_up_t, offs=offsets)
-            gate, up = hidden.chunk(2, dim=-1)
-            return torch._grouped_mm(self.act_fn(gate) * up, down_t, offs=offsets)
-        return self._looped(x, group_sizes, gate_up, down)
+        path = _grouped if self.uses_grouped_mm(x) else _looped
+        return path(x, group_sizes, gate_up, down, self.act_fn)
 
     def _scaled_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up, down = self.gate_up_proj, self.down_proj
@@ -230,24 +245,3 @@ class GroupedExperts(nn.Module):
             # No rows: keep x and the weights in the graph (see `_looped`).
             return x * 0.0 + 0.0 * (gate_up.sum() + down.sum())
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-    def _looped(
-        self, x: torch.Tensor, group_sizes: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-    ) -> torch.Tensor:
-        """The fallback: one pair of GEMMs per non-empty expert (host sync for the sizes)."""
-        outputs = []
-        blocks = torch.split(x, [int(s) for s in group_sizes.tolist()])
-        # unbind, not gate_up[e]: one backward stacking every expert's gradient instead of a
-        # zero-filled full-size gradient per indexed expert (a third of the step on CPU).
-        gate_ups, downs = gate_up.unbind(0), down.unbind(0)
-        for expert, block in enumerate(blocks):
-            if block.shape[0] == 0:
-                continue
-            gate, up = F.linear(block, gate_ups[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate) * up, downs[expert]))
-        if not outputs:
-            # No rows. The (empty) output must still depend on x and on the weights: otherwise
-            # this rank's backward skips the dispatch all-to-all that its peers run (a hang)
-            # and leaves the weights without a gradient.
-            return x * 0.0 + 0.0 * (gate_up.sum() + down.sum())
-        return torch.cat(outputs)

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "bench"))
+import _host  # (the bench's modules import each other by bare name)
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "tools" / "bench" / "adam.py"
 ROW = re.compile(r"^\| (?P<name>[a-z-]+) \| (?P<params>[\w.]+)( ~)? \| 1 \|(?P<rest>.*)\|$")
@@ -130,3 +133,9 @@ def test_a_bf16_run_races_16_bit_parameters_with_their_byte_count() -> None:
     assert "skipped: torch-fused could not run" in done.stdout, done.stdout
     seconds, gbps, *_ = _rows(done.stdout)["deepshard"]
     assert gbps == pytest.approx(22 * 1_000_000 / seconds / 1e9, rel=1e-3, abs=0.05)
+
+
+def test_the_header_says_which_cpu_the_figures_were_measured_on(output: str) -> None:
+    # The same line `_host` builds for this machine, so a figure never travels without its CPU.
+    host = next(line for line in output.splitlines() if line.startswith("host: "))
+    assert host.startswith(f"host: {_host.cpu_description()}, "), host

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import _bench_json
+import _host
 from _adam_spec import DTYPES, HYPER_PARAMETERS, NAMES, bytes_per_param
 
 BANDWIDTH_TARGET = 0.80  # of STREAM triad, at sizes of at least _BANDWIDTH_TARGET_SIZE
@@ -207,7 +208,8 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]], load: float
     print(f"CPU Adam step, {args.dtype} parameters and gradients, fp32 moments, "
           f"{HYPER_PARAMETERS}, bias correction on")  # fmt: skip
     torch_version = next((result["torch"] for result in results if "torch" in result), "?")
-    print(f"host: {os.cpu_count()} CPUs, torch {torch_version}, load average {load:.2f} at start")
+    print(f"host: {_host.cpu_description()}, {os.cpu_count()} CPUs, torch {torch_version}, "
+          f"load average {load:.2f} at start")  # fmt: skip
     print(
         f"GB/s = {bytes_per_param(args.dtype)} B/param (read p, g, m, v; write p, m, v) / "
         "median s/step. "

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import _bench_docs
+import _host
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -164,13 +165,8 @@ def machine() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    cpu = "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
-        cpu = names[0].split(":", 1)[1].strip() if names else cpu
     return {
-        "cpu": cpu,
+        "cpu": _host.cpu_description(),
         "cores": os.cpu_count(),
         "load_average_at_start": round(os.getloadavg()[0], 2),
         "python": sys.version.split()[0],

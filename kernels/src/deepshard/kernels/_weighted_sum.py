@@ -20,6 +20,8 @@ custom ops (``deepshard::fused_weighted_sum`` and ``deepshard::fused_weighted_su
 with fake implementations, so they trace under ``torch.compile``. On CUDA tensors both run
 Triton kernels (``_weighted_sum_triton``, imported at the first CUDA call); everywhere else, and
 on CUDA when Triton cannot be imported (after one warning), the pure-torch twins here run.
+Loading the Triton kernels also checks where Triton will compile them: a cache folder on a
+network filesystem gets one warning naming the fix (`deepshard.kernels._cache_dir`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from deepshard.kernels._cache_dir import filesystem_type, triton_cache_dir, warn_if_network_cache
 
 __all__ = ["fused_weighted_sum", "fused_weighted_sum_status", "reference_fused_weighted_sum"]
 
@@ -161,14 +165,16 @@ def fused_weighted_sum_status() -> tuple[bool, str]:
             False,
             f"no CUDA device: the twin runs (Triton {triton.__version__} would serve CUDA)",
         )
-    return True, f"Triton {triton.__version__} kernels for CUDA tensors (twin elsewhere)"
+    folder = triton_cache_dir()
+    where = f"kernel cache {folder} on {filesystem_type(folder) or 'an unknown filesystem'}"
+    return True, f"Triton {triton.__version__} kernels for CUDA tensors (twin elsewhere); {where}"
 
 
 @functools.cache
 def _triton_kernels() -> ModuleType | None:
     """The Triton kernels module, or None after one warning saying why it cannot load."""
     try:
-        return importlib.import_module("deepshard.kernels._weighted_sum_triton")
+        kernels = importlib.import_module("deepshard.kernels._weighted_sum_triton")
     except ImportError as exc:
         warnings.warn(
             f"fused_weighted_sum: Triton is unavailable ({exc}), so CUDA tensors use the "
@@ -177,6 +183,8 @@ def _triton_kernels() -> ModuleType | None:
             stacklevel=3,
         )
         return None
+    warn_if_network_cache()  # Triton compiles into its cache folder at the first launch
+    return kernels
 
 
 def _setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:

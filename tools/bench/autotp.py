@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import multiprocessing
 import os
 import statistics
@@ -55,6 +54,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import _autotp_worker
 import _bench_json
+import _ranks
 
 ROWS = ("deepshard-tp2", "deepspeed-tp2", "dtensor-tp2", "unsharded")
 OURS = "deepshard-tp2"
@@ -111,23 +111,10 @@ def _run_row(ctx: Any, row: str, args: argparse.Namespace, folder: Path) -> list
         )
         for rank in range(world)
     ]  # fmt: skip
-    processes = [ctx.Process(target=_autotp_worker.run_rank, args=(job,)) for job in jobs]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + (QUICK_RANK_TIMEOUT_S if args.quick else RANK_TIMEOUT_S)
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join()
-    reports = []
-    for job, process in zip(jobs, processes, strict=True):
-        path = Path(job.out)
-        if path.exists():
-            reports.append(json.loads(path.read_text()))
-        else:
-            reports.append({"error": f"rank {job.rank} exited with {process.exitcode}"})
-    return reports
+    timeout_s = QUICK_RANK_TIMEOUT_S if args.quick else RANK_TIMEOUT_S
+    return _ranks.reports_or_errors(
+        jobs, _ranks.run_ranks(ctx, _autotp_worker.run_rank, jobs, timeout_s)
+    )
 
 
 def _summary(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -171,12 +158,7 @@ def _verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
         if ours is None or other is None or "error" in ours or "error" in other:
             continue
         ratio = ours[key] / other[key]
-        verdict = "(no target)"
-        if target is not None:
-            verdict = f"(target <= {target}): " + (
-                "MET" if ratio <= target else f"MISSED by {ratio - target:.3f}"
-            )
-        lines.append(f"{OURS} / {theirs}: {what} ratio {ratio:.3f} {verdict}")
+        lines.append(f"{OURS} / {theirs}: {what} ratio {ratio:.3f} {_ranks.verdict(ratio, target)}")
     return lines
 
 

@@ -33,10 +33,8 @@ import importlib.util
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +43,7 @@ os.environ.setdefault("DEEPSHARD_ACCELERATOR", "cpu")
 
 import _bench_json
 import _checkpoint_worker  # (after the environment above: it must be set before torch loads)
+import _ranks
 
 WORLD = 2
 RANK_TIMEOUT_S = 1200.0
@@ -84,17 +83,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _race_one(ctx: Any, name: str, quick: bool, folder: Path) -> dict[str, Any]:
     """Runs one competitor on ``WORLD`` ranks in a fresh folder; returns rank 0's report."""
     work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder))
-    port = _free_port()
+    port = _ranks.free_port()
     jobs = [
         _checkpoint_worker.RankJob(
             name, rank, WORLD, port, quick, str(work / "ckpt"), str(work / f"report-{rank}.json")
@@ -102,23 +94,8 @@ def _race_one(ctx: Any, name: str, quick: bool, folder: Path) -> dict[str, Any]:
         for rank in range(WORLD)
     ]
     (work / "ckpt").mkdir()
-    processes = [ctx.Process(target=_checkpoint_worker.run_rank, args=(job,)) for job in jobs]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    failed = [p.exitcode for p in processes if p.exitcode != 0]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    if failed:
-        for job in jobs:
-            log = Path(job.out + ".log")
-            text = log.read_text(errors="replace")[-3000:] if log.exists() else "(no output)"
-            print(f"----- {name} rank {job.rank} output -----\n{text}", file=sys.stderr)
-        raise RuntimeError(f"{name}: a rank exited with {failed} (its output is above)")
+    exitcodes = _ranks.run_ranks(ctx, _checkpoint_worker.run_rank, jobs, RANK_TIMEOUT_S)
+    _ranks.raise_with_logs(name, jobs, exitcodes, tail=3000)
     report: dict[str, Any] = json.loads(Path(jobs[0].out).read_text())
     for path in sorted(work.rglob("*"), reverse=True):  # free the disk before the next one
         path.unlink() if path.is_file() else path.rmdir()

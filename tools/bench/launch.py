@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import _bench_json
+import _ranks
 
 LAUNCHERS = ("ds-launch", "torchrun")
 
@@ -75,13 +75,6 @@ def _program(name: str) -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def _command(launcher: str, nproc: int, out_dir: Path) -> list[str]:
     rank_args = [str(Path(__file__).resolve()), "--as-rank", str(out_dir)]
     if launcher == "ds-launch":
@@ -90,7 +83,7 @@ def _command(launcher: str, nproc: int, out_dir: Path) -> list[str]:
             "--nproc_per_node",
             str(nproc),
             "--master_port",
-            str(_free_port()),
+            str(_ranks.free_port()),
             *rank_args,
         ]
     return [_program("torchrun"), "--standalone", "--nproc_per_node", str(nproc), *rank_args]

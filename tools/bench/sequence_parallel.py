@@ -31,7 +31,6 @@ Exit status: 0 when every DeepShard row ran (missed targets included); 1 otherwi
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
@@ -45,6 +44,7 @@ os.environ.setdefault("DEEPSHARD_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import _bench_json
+import _ranks
 import _sp_worker
 
 WORLD = 2
@@ -102,23 +102,8 @@ def _run_row(ctx: Any, row: str, args: argparse.Namespace, folder: Path) -> list
         )
         for rank in range(WORLD)
     ]
-    processes = [ctx.Process(target=_sp_worker.run_rank, args=(job,)) for job in jobs]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join()
-    reports = []
-    for job, process in zip(jobs, processes, strict=True):
-        path = Path(job.out)
-        if path.exists():
-            reports.append(json.loads(path.read_text()))
-        else:
-            reports.append({"error": f"rank {job.rank} exited with {process.exitcode}"})
-    return reports
+    exitcodes = _ranks.run_ranks(ctx, _sp_worker.run_rank, jobs, RANK_TIMEOUT_S)
+    return _ranks.reports_or_errors(jobs, exitcodes)
 
 
 def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -160,12 +145,7 @@ def _verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
         if a is None or b is None or "error" in a or "error" in b:
             continue
         ratio = a[key] / b[key]
-        verdict = "(no target)"
-        if target is not None:
-            verdict = f"(target <= {target}): " + (
-                "MET" if ratio <= target else f"MISSED by {ratio - target:.3f}"
-            )
-        lines.append(f"{ours} / {theirs}: {what} ratio {ratio:.3f} {verdict}")
+        lines.append(f"{ours} / {theirs}: {what} ratio {ratio:.3f} {_ranks.verdict(ratio, target)}")
     return lines
 
 

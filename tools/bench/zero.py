@@ -51,7 +51,6 @@ import importlib.util
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -61,6 +60,7 @@ from typing import Any
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("DEEPSHARD_ACCELERATOR", "cpu")
 
+import _ranks
 import _zero_report  # (after the environment above: it must be set before torch loads)
 import _zero_worker
 from _zero_lineup import BY_NAME, DTYPES, parse_stages, select
@@ -109,13 +109,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _context(with_deepspeed: bool) -> Any:
     ctx = multiprocessing.get_context("forkserver")
     # What competitors import lazily is preloaded, so no row's RSS growth counts imports:
@@ -130,7 +123,7 @@ def _context(with_deepspeed: bool) -> Any:
 
 def _race_one(ctx: Any, name: str, args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
     """Runs one competitor on ``WORLD`` ranks; returns each rank's report."""
-    port = _free_port()
+    port = _ranks.free_port()
     jobs = [
         _zero_worker.RankJob(
             name,
@@ -146,23 +139,8 @@ def _race_one(ctx: Any, name: str, args: argparse.Namespace, folder: Path) -> li
         )
         for rank in range(WORLD)
     ]
-    processes = [ctx.Process(target=_zero_worker.run_rank, args=(job,)) for job in jobs]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    failed = [p.exitcode for p in processes if p.exitcode != 0]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    if failed:
-        for job in jobs:
-            log = Path(job.out + ".log")
-            text = log.read_text(errors="replace") if log.exists() else "(no output)"
-            print(f"----- {name} rank {job.rank} output -----\n{text}", file=sys.stderr)
-        raise RuntimeError(f"{name}: a rank exited with {failed} (its output is above)")
+    exitcodes = _ranks.run_ranks(ctx, _zero_worker.run_rank, jobs, RANK_TIMEOUT_S)
+    _ranks.raise_with_logs(name, jobs, exitcodes)
     return [json.loads(Path(job.out).read_text()) for job in jobs]
 
 

@@ -90,6 +90,7 @@ def _run(envs: list[dict[str, str]]) -> list[dict[str, object]]:
     return outputs
 
 
+@pytest.mark.slow  # over 4 s (subprocesses / a deliberate hang); the main run has it
 @pytest.mark.timeout(180)
 def test_two_torchrun_style_processes_join() -> None:
     port = _free_port()
@@ -119,6 +120,7 @@ def test_two_torchrun_style_processes_join() -> None:
         assert result["timeout_s"] == 120.0  # DEEPSHARD_TIMEOUT=2 minutes
 
 
+@pytest.mark.slow  # over 4 s (subprocesses / a deliberate hang); the main run has it
 @pytest.mark.timeout(180)
 def test_no_launcher_is_a_world_of_one() -> None:
     (result,) = _run([_clean_env()])

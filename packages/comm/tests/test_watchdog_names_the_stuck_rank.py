@@ -12,6 +12,7 @@ import inspect
 import time
 from typing import Any
 
+import pytest
 import torch
 
 import deepshard.comm as comm
@@ -47,6 +48,7 @@ def _one_rank_sleeps(mesh: Any) -> dict[str, Any]:
     return {"error": None, "elapsed": time.monotonic() - start}
 
 
+@pytest.mark.slow  # over 4 s (subprocesses / a deliberate hang); the main run has it
 def test_the_waiting_rank_names_the_sleeping_one_and_fails(run_on_mesh: Any) -> None:
     waiting, _ = run_on_mesh(_one_rank_sleeps, 2, timeout_s=60)
     report = waiting["error"]

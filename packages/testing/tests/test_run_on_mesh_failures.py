@@ -77,6 +77,7 @@ def test_rank_dying_without_a_report_is_detected(tmp_path: Path) -> None:
     _assert_all_gone(pid_dir, 2)
 
 
+@pytest.mark.slow  # over 4 s (subprocesses / a deliberate hang); the main run has it
 def test_timeout_names_the_unfinished_ranks(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()

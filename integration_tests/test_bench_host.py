@@ -37,13 +37,30 @@ CPU implementer : 0x41
 def test_a_vm_cpu_is_told_apart_by_family_model_simd_and_cache() -> None:
     fields = _host.parse_cpuinfo(ZEN3_VM)
     assert fields["model name"] == "AMD EPYC"  # the first processor's block, not the second's
-    assert _host.describe(fields, "L3 32 MiB") == "AMD EPYC (family 25 model 1, avx2, L3 32 MiB)"
+    assert _host.describe(fields, "LLC 32 MiB") == "AMD EPYC (family 25 model 1, avx2, LLC 32 MiB)"
 
 
 def test_the_widest_simd_extension_is_named() -> None:
     text = _host.describe(_host.parse_cpuinfo(XEON))
     assert text == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz (family 6 model 143, avx512f)"
     assert _host.describe(_host.parse_cpuinfo(ARM)).endswith("(sve)")
+
+
+def test_the_cache_size_is_written_in_mib_or_kib() -> None:
+    assert _host._cache_text(32 << 20) == "LLC 32 MiB"
+    assert _host._cache_text(512 << 10) == "LLC 512 KiB"
+    assert _host._cache_text(0) is None  # glibc reported no cache
+
+
+def test_the_last_level_cache_comes_from_sysfs_first(tmp_path: Path) -> None:
+    for index, (level, size) in enumerate([(1, "32K"), (2, "512K"), (3, "32768K")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        (folder / "level").write_text(f"{level}\n")
+        (folder / "size").write_text(f"{size}\n")
+    assert _host.last_level_cache_bytes(tmp_path) == 32 << 20
+    # an empty sysfs falls back to glibc's answer, whatever it is here (never negative)
+    assert _host.last_level_cache_bytes(tmp_path / "missing") >= 0
 
 
 def test_nothing_readable_still_gives_a_line() -> None:

@@ -23,11 +23,11 @@ from typing import Any
 import _adam_competitors as competitors
 import torch
 from _adam_spec import bytes_per_param
+from _host import last_level_cache_bytes
 from _stream_triad import (
     BYTES_PER_ELEMENT,
     WRITE_ALLOCATE_FACTOR,
     StreamTriad,
-    last_level_cache_bytes,
     triad_elements,
 )
 

@@ -30,7 +30,7 @@ def parse_cpuinfo(text: str) -> dict[str, str]:
 
 
 def describe(fields: dict[str, str], last_level_cache: str | None = None) -> str:
-    """``"AMD EPYC (family 25 model 1, avx2, L3 32 MiB)"`` from parsed cpuinfo fields."""
+    """``"AMD EPYC (family 25 model 1, avx2, LLC 32 MiB)"`` from parsed cpuinfo fields."""
     name = fields.get("model name") or fields.get("Processor") or platform.processor() or "unknown"
     details = []
     if "cpu family" in fields and "model" in fields:
@@ -44,26 +44,46 @@ def describe(fields: dict[str, str], last_level_cache: str | None = None) -> str
     return f"{name} ({', '.join(details)})" if details else name
 
 
-def _last_level_cache() -> str | None:
-    """``"L3 32 MiB"`` from sysfs: the highest cache level of CPU 0, or None where unreadable."""
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    best: tuple[int, str] | None = None
-    for index in base.glob("index*"):
+_SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def last_level_cache_bytes(caches: Path = _SYSFS_CACHES) -> int:
+    """Bytes of CPU 0's highest-level cache; 0 when neither source reports one.
+
+    Linux's sysfs (``caches``: one ``index*`` folder per cache with ``level`` and ``size``, e.g.
+    ``32768K``) comes first: glibc's ``sysconf`` answer is read from CPUID and is 0 on some
+    virtual machines (this 2-vCPU EPYC VM among them) whose sysfs lists the L3. Elsewhere the
+    largest of glibc's L3 and L2 sizes.
+    """
+    best: tuple[int, int] | None = None
+    for index in caches.glob("index*"):
         try:
             level = int((index / "level").read_text())
-            size = (index / "size").read_text().strip()
+            text = (index / "size").read_text().strip()
+            size = int(text[:-1]) * _UNITS[text[-1]] if text[-1:] in _UNITS else int(text)
         except (OSError, ValueError):
             continue
         if best is None or level > best[0]:
             best = (level, size)
-    if best is None:
+    if best is not None:
+        return best[1]
+    largest = 0
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            largest = max(largest, int(os.sysconf(name)))
+        except (ValueError, OSError):
+            continue
+    return largest
+
+
+def _cache_text(size: int) -> str | None:
+    """``"LLC 32 MiB"`` for a last-level cache of ``size`` bytes; None when unknown (0)."""
+    if size <= 0:
         return None
-    level, size = best
-    if size.endswith("K") and size[:-1].isdigit() and int(size[:-1]) % 1024 == 0:
-        size = f"{int(size[:-1]) // 1024} MiB"
-    elif size.endswith("K"):
-        size = f"{size[:-1]} KiB"
-    return f"L{level} {size}"
+    if size % (1 << 20) == 0:
+        return f"LLC {size >> 20} MiB"
+    return f"LLC {size >> 10} KiB"
 
 
 def cpu_description() -> str:
@@ -73,4 +93,4 @@ def cpu_description() -> str:
         fields = parse_cpuinfo(cpuinfo.read_text()) if cpuinfo.exists() else {}
     except OSError:
         fields = {}
-    return describe(fields, _last_level_cache() if os.name == "posix" else None)
+    return describe(fields, _cache_text(last_level_cache_bytes()))

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from _host import last_level_cache_bytes
 
 BYTES_PER_ELEMENT = 24
 WRITE_ALLOCATE_FACTOR = 32 / 24
@@ -62,17 +63,6 @@ extern "C" void stream_triad(double* __restrict a, const double* __restrict b,
     });
 }
 """
-
-
-def last_level_cache_bytes() -> int:
-    """The largest cache glibc reports (L3, else L2); 0 when it reports none."""
-    largest = 0
-    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
-        try:
-            largest = max(largest, int(os.sysconf(name)))
-        except (ValueError, OSError):
-            continue
-    return largest
 
 
 def triad_elements() -> int:

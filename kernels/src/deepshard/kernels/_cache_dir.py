@@ -183,7 +183,6 @@ def warn_if_network_cache(
     """
     folder = triton_cache_dir(env)
     fstype = lookup(folder)
-    if is_network_filesystem(fstype):
-        assert fstype is not None
+    if fstype is not None and is_network_filesystem(fstype):
         _warn_once(str(folder), fstype)
     return fstype

@@ -82,3 +82,31 @@ def test_a_fused_weight_split_along_dim_1_has_no_shard_map() -> None:
     layer = LayerPlan("mlp.fused_down", Style.ROW, ((3, 3), (3, 3)))
     with pytest.raises(ConfigError, match="partition_type 'column'"):
         tp_shard_map((4, 12), "float32", layer, 1, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 3], ids=["even", "uneven"])
+def test_even_fused_split_has_a_placement_whose_boxes_are_the_shard_map(kv_heads: int) -> None:
+    """A fused QKV whose KV heads divide gets ``Shard(0, parts)``, each rank's boxes exactly its
+    shard map's pieces in order (what ZeRO and the checkpoint then agree on); one whose KV heads
+    do not divide gets no `Shard` placement (the engine refuses it by name)."""
+    from deepshard.autotp._placements import even_split
+    from deepshard.interface import ParamPlacement, Topology
+
+    parts = (HEADS * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM)
+    sizes = sub_parameter_sizes(parts, TP, kv_groups=(kv_heads,) * 3)
+    layer = LayerPlan("attn.qkv", Style.COLUMN, sizes)
+    split = even_split(layer, 0)
+    if kv_heads == 3:
+        assert split is None
+        return
+    assert split is not None and split.parts == parts
+    shape = (sum(parts), HIDDEN)
+    placement = ParamPlacement.replicated(shape, "float32").with_axis("tp", split)
+    smap = tp_shard_map(shape, "float32", layer, 0, TP)
+    topology = Topology(tp=TP)
+    for rank in range(TP):
+        coords = {axis: rank if axis == "tp" else 0 for axis in topology.axis_names}
+        pieces = sorted(smap.pieces_of(rank), key=lambda p: p.local_offset)
+        assert placement.local_boxes(topology, coords) == tuple(
+            (p.box_offset, p.box_shape) for p in pieces
+        )

@@ -4,7 +4,9 @@ loader's batches and the first-step input check.
 Pure checks run in this process; two gloo ranks on a ``tp = 2`` mesh run ``initialize`` with
 ``training_data``: both TP ranks must draw the same batches from the loader it builds, a forward
 of those batches passes the first-step check, and a second engine fed rank-dependent inputs
-fails on both ranks with "inputs differ within the tensor-parallel group".
+fails on both ranks with "inputs differ within the tensor-parallel group". A Llama whose
+vocabulary (129 rows) AutoTP can only split unevenly is refused by ``initialize``, naming the
+parameter, its rows per rank and the padding fix (ZeRO lays out even splits only).
 """
 
 from __future__ import annotations
@@ -115,6 +117,14 @@ def _on_tp_mesh(mesh: Any) -> dict[str, Any]:
         other(batches[0] + mesh.get_rank())
     except ConfigError as exc:
         out["input_error"] = str(exc)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=129, num_attention_heads=2, **shape))
+    try:
+        ds.initialize(llama, dict(BASE), mesh=mesh)
+    except ConfigError as exc:
+        out["uneven_error"] = str(exc)
     return out
 
 
@@ -131,3 +141,9 @@ def test_tp_ranks_get_the_same_batches_and_differing_inputs_fail(tmp_path: Path)
             "tensor_parallel.tp.tp_size: 4 differs from the mesh's tp axis of size 2"
             in (rank["mesh_error"])
         )
+        assert (
+            "AutoTP splits 'model.embed_tokens.weight' (and 1 more) unevenly"
+            in (rank["uneven_error"])
+        )
+        assert "[[65, 64]]" in rank["uneven_error"]
+        assert "pad_to_multiple_of=2" in rank["uneven_error"]

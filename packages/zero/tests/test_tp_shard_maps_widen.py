@@ -13,6 +13,7 @@ import pytest
 
 from deepshard.interface import ParamPlacement, Shard, ShardMap, ShardPiece, Topology
 from deepshard.interface.errors import CheckpointError
+from deepshard.zero._shards import _box_pieces
 from deepshard.zero._tp_maps import widen_over_tp
 
 TOPOLOGY = Topology(dp=2, tp=2)
@@ -68,3 +69,44 @@ def test_a_map_that_already_spans_tp_is_refused() -> None:
     wide = widen_over_tp(_dp_group_map(0), ROW, TOPOLOGY)
     with pytest.raises(CheckpointError, match="leave tp out"):
         widen_over_tp(wide, ROW, TOPOLOGY)
+
+
+GATE_UP = ParamPlacement.replicated((8, 3), "float32").with_axis("tp", Shard(0, (4, 4)))
+"""A fused ``gate_up_proj`` (gate rows 0-3, up rows 4-7): tp rank ``t`` stores gate rows
+``[2t, 2t + 2)`` then up rows ``[4 + 2t, 4 + 2t + 2)``, two boxes back to back."""
+
+
+def _fused_dp_group_map(tp_coord: int) -> ShardMap:
+    """ZeRO's map at ``tp_coord`` (`_box_pieces`, as ZeRO builds it): its 12 local elements cut
+    at 5, so dp rank 1's range crosses from the gate box into the up box."""
+    pieces = []
+    for dp, (start, stop) in enumerate(((0, 5), (5, 12))):
+        coords = (0, dp, 0, 0, tp_coord)
+        named = dict(zip(TOPOLOGY.axis_names, coords, strict=True))
+        boxes = GATE_UP.local_boxes(TOPOLOGY, named)
+        pieces += _box_pieces(boxes, dp, (start, stop, 0), coords)
+    return ShardMap(
+        (8, 3), "float32", tuple(pieces), ("dp", "ep", "sp"), TOPOLOGY.axis_names, TOPOLOGY.shape
+    )
+
+
+@pytest.mark.parametrize("tp_coord", [0, 1])
+def test_fused_weight_pieces_cross_boxes_and_widen(tp_coord: int) -> None:
+    group = _fused_dp_group_map(tp_coord)
+    crossing = [p for p in group.pieces if p.rank == 1]
+    # dp rank 1 holds the gate box's last element and the whole up box, its local offsets
+    # moving on by the elements before each piece
+    assert [(p.flat_start, p.flat_stop, p.local_offset) for p in crossing] == [
+        (5, 6, 0),
+        (0, 6, 1),
+    ]
+    wide = widen_over_tp(group, GATE_UP, TOPOLOGY)
+    wide.validate_coverage()
+    full = [float(i) for i in range(24)]
+    shards = {r: wide.extract(full, r) for r in range(4)}
+    # tp rank t stores full rows [2t, 2t+2) and [4+2t, 4+2t+2) of 3 columns, cut at 5
+    for rank, shard in shards.items():
+        dp, t = divmod(rank, 2)
+        local = full[6 * t : 6 * t + 6] + full[12 + 6 * t : 12 + 6 * t + 6]
+        assert shard == (local[:5] if dp == 0 else local[5:]), rank
+    assert wide.rebuild(shards) == full

@@ -19,7 +19,10 @@ one by one: the block's input is reduced once (`copy_to_tp`) on every rank.
 **Head-count attributes** (``num_heads``, ``num_key_value_heads``, and ``hidden_size`` where it
 is the attention width) are rewritten to this rank's share only on the modules that directly
 hold split layers. Transformers 5's Llama and Qwen3 attention read none of them (they reshape
-with ``-1`` and keep ``num_key_value_groups``, a ratio a KV-group split preserves).
+with ``-1`` and keep ``num_key_value_groups``, a ratio a KV-group split preserves). Phi-3's
+reads ``config.num_attention_heads`` at every forward to cut its fused QKV output, so such a
+block gets a view of the model config with this rank's head counts, all else read from (and
+written to) the shared config.
 """
 
 from __future__ import annotations
@@ -232,6 +235,34 @@ def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+class _RankConfig:
+    """A model config as one attention block of this rank sees it: its own head counts, and
+    every other attribute read from (and written to) the shared config, so a later change of
+    the model's config (its attention implementation) still reaches the block."""
+
+    def __init__(self, config: object, heads: dict[str, int]) -> None:
+        object.__setattr__(self, "_shared", config)
+        object.__setattr__(self, "_heads", heads)
+
+    def __getattr__(self, name: str) -> Any:
+        heads = object.__getattribute__(self, "_heads")
+        if name in heads:
+            return heads[name]
+        return getattr(object.__getattribute__(self, "_shared"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_shared"), name, value)
+
+
+def _shares(layer: LayerPlan, part: int, rank: int) -> tuple[int, int]:
+    """(rows of ``part`` this rank holds, rows of ``part``), or of the whole layer when it has
+    one part."""
+    if len(layer.sizes) == 1:
+        return layer.local_size(rank), _total(layer)
+    per_rank = layer.sizes[part]
+    return per_rank[rank], sum(per_rank)
+
+
 def _rewrite_heads(block: nn.Module, layers: list[LayerPlan], rank: int) -> None:
     """Scale the block's head-count attributes to this rank's share (see module doc)."""
     columns = [layer for layer in layers if layer.style is Style.COLUMN]
@@ -239,14 +270,36 @@ def _rewrite_heads(block: nn.Module, layers: list[LayerPlan], rank: int) -> None
         return
     q = columns[0]
     kv = columns[1] if len(columns) > 1 else q
+    fused = len(columns) == 1 and len(q.sizes) == 3  # one q, k, v weight: parts 0 and 1
+    shares = {"q": _shares(q, 0, rank) if fused else (q.local_size(rank), _total(q))}
+    shares["kv"] = _shares(kv, 1, rank) if fused else (kv.local_size(rank), _total(kv))
     has_heads = any(_count(getattr(block, attr, None)) for attr in _Q_HEADS)
     if has_heads and getattr(block, _WIDTH, None) == _total(q):
         setattr(block, _WIDTH, q.local_size(rank))  # the attention width, not the residual one
-    for names, layer in ((_Q_HEADS, q), (_KV_HEADS, kv)):
+    for names, key in ((_Q_HEADS, "q"), (_KV_HEADS, "kv")):
+        local, total = shares[key]
         for attr in names:
             value = _count(getattr(block, attr, None))
             if value is not None:
-                setattr(block, attr, value * layer.local_size(rank) // _total(layer))
+                setattr(block, attr, value * local // total)
+    _rewrite_config_heads(block, shares)
+
+
+def _rewrite_config_heads(block: nn.Module, shares: dict[str, tuple[int, int]]) -> None:
+    """Give a block that holds the model config (Phi-3's attention reads its query width from
+    ``config.num_attention_heads`` at every forward) a view of it with this rank's counts."""
+    config = getattr(block, "config", None)
+    if config is None or isinstance(config, _RankConfig):
+        return
+    heads = {}
+    for names, key in ((_Q_HEADS, "q"), (_KV_HEADS, "kv")):
+        local, total = shares[key]
+        for attr in names:
+            value = _count(getattr(config, attr, None))
+            if value is not None:
+                heads[attr] = value * local // total
+    if heads:
+        setattr(block, "config", _RankConfig(config, heads))  # noqa: B010 (Module typing)
 
 
 def _total(layer: LayerPlan) -> int:

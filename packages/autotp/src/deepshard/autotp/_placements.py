@@ -2,10 +2,12 @@
 
 A sharded parameter's placement says ``Shard(dim)`` on the ``tp`` axis (its global shape is
 the unsharded one; its gradient is reduced over the dense data-parallel axes, as for any dense
-parameter). `Shard` means *equal* slices, which is what ZeRO and the optimizers compute local
-shapes from; a split the plan makes uneven (KV-head groups that do not divide, a vocabulary
-that is not a multiple of the TP size) has no such placement, and is described by its shard
-map alone.
+parameter); a fused weight whose sub-parameters each split evenly (a ``gate_up_proj``, a QKV
+whose KV heads divide) says ``Shard(dim, parts)``. `Shard` means *equal* slices, which is what
+ZeRO and the optimizers compute local shapes from; a split the plan makes uneven (KV-head
+groups that do not divide, a vocabulary that is not a multiple of the TP size) has no such
+placement, and is described by its shard map alone (ZeRO cannot lay it out, so the engine
+refuses it, naming the parameter and its rows per rank).
 
 The shard map is exact in every case: one piece per (rank, sub-parameter), the rank's pieces
 stored back to back in its local tensor, so the checkpoint package can reshard a weight saved
@@ -28,7 +30,7 @@ from deepshard.interface.placement import ParamPlacement, PlacementRegistry, Sha
 from deepshard.interface.shard_map import ShardMap, ShardPiece
 from deepshard.interface.topology import Topology
 
-__all__ = ["build_placements", "sharded_parameters", "tp_shard_map"]
+__all__ = ["build_placements", "even_split", "sharded_parameters", "tp_shard_map"]
 
 
 def sharded_parameters(layer: LayerPlan) -> tuple[tuple[str, int], ...]:
@@ -77,9 +79,14 @@ def tp_shard_map(
     return ShardMap(global_shape, dtype, tuple(pieces), axes=("tp",))
 
 
-def _even(layer: LayerPlan) -> bool:
-    """Whether the split is what ``Shard(dim)`` means: one part, cut in equal slices."""
-    return len(layer.sizes) == 1 and len(set(layer.sizes[0])) == 1
+def even_split(layer: LayerPlan, dim: int) -> Shard | None:
+    """What ``Shard`` says of the split, when it is even: ``Shard(dim)`` for one part cut in
+    equal slices, ``Shard(dim, parts)`` for a fused weight whose every part is; else None."""
+    if not layer.sizes or any(len(set(per_rank)) != 1 for per_rank in layer.sizes):
+        return None
+    if len(layer.sizes) == 1:
+        return Shard(dim)
+    return Shard(dim, tuple(sum(per_rank) for per_rank in layer.sizes))
 
 
 def _layer_params(model: nn.Module, layer: LayerPlan) -> Iterator[tuple[str, torch.Tensor, int]]:
@@ -108,9 +115,9 @@ def build_placements(
         registry: Where to write the placements; a new one when None.
 
     Returns:
-        The registry (``Shard(dim)`` on ``tp`` for an even split, replicated for a parameter
-        the plan leaves whole, absent for an uneven split) and a shard map per sharded
-        parameter.
+        The registry (``Shard(dim)`` on ``tp`` for an even split, ``Shard(dim, parts)`` for a
+        fused weight whose every part splits evenly, replicated for a parameter the plan leaves
+        whole, absent for an uneven split) and a shard map per sharded parameter.
     """
     registry = registry if registry is not None else PlacementRegistry(topology)
     maps: dict[str, ShardMap] = {}
@@ -118,9 +125,10 @@ def build_placements(
         for name, param, dim in _layer_params(model, layer):
             dtype = str(param.dtype).removeprefix("torch.")
             maps[name] = tp_shard_map(full_shapes[name], dtype, layer, dim, plan.tp_size)
-            if _even(layer):
+            split = even_split(layer, dim)
+            if split is not None:
                 whole = ParamPlacement.replicated(full_shapes[name], dtype)
-                registry.set(name, whole.with_axis("tp", Shard(dim)))
+                registry.set(name, whole.with_axis("tp", split))
     whole_params = ((n, p) for n, p in model.named_parameters() if n not in maps)
     for name, placement in PlacementRegistry.replicated(whole_params, topology).items():
         registry.set(name, placement)

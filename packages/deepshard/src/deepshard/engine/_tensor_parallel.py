@@ -19,7 +19,7 @@ forward's inputs across the TP group (one all-reduce of a few numbers, once) and
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from deepshard.comm import ParallelDims, all_reduce
 from deepshard.interface import PlacementRegistry
 from deepshard.interface.config import DeepShardConfig
 from deepshard.interface.errors import ConfigError
+
+if TYPE_CHECKING:
+    from deepshard.autotp import TPPlan
 
 __all__ = [
     "TpInputCheck",
@@ -113,8 +116,34 @@ def apply_tensor_parallel(
     from deepshard.autotp import defer_grad_allreduce, parallelize, tp_state
 
     parallelize(model, dims, config.tensor_parallel)
+    state = tp_state(model)
+    _refuse_uneven(model, state.plan, state.placements)
     defer_grad_allreduce(model)
-    return tp_state(model).placements
+    return state.placements
+
+
+def _refuse_uneven(model: torch.nn.Module, plan: TPPlan, placements: PlacementRegistry) -> None:
+    """Refuse a split ZeRO cannot lay out: a trainable parameter AutoTP cut unevenly (it has a
+    shard map but no ``Shard`` placement; `deepshard.autotp._placements`).
+
+    Raises:
+        ConfigError: Naming the first such parameter, its rows per rank and the fixes.
+    """
+    uneven = [n for n, p in model.named_parameters() if p.requires_grad and n not in placements]
+    if not uneven:
+        return
+    module = uneven[0].rpartition(".")[0]
+    layer = plan.layer(module)
+    rows = [list(per_rank) for per_rank in layer.sizes] if layer is not None else "?"
+    raise ConfigError(
+        f"AutoTP splits {uneven[0]!r}"
+        f"{f' (and {len(uneven) - 1} more)' if len(uneven) > 1 else ''} unevenly over "
+        f"tp={plan.tp_size} (rows per rank, per part: {rows}); training lays out even "
+        "tensor-parallel splits only (every part a multiple of the TP size). Pad that "
+        f"dimension (a vocabulary: model.resize_token_embeddings(n, pad_to_multiple_of="
+        f"{plan.tp_size})), or choose a TP size that divides the KV heads",
+        [(_AUTOTP, f"splits {uneven[0]!r} unevenly")],
+    )
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

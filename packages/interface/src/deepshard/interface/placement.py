@@ -6,7 +6,12 @@ ranks of every mesh axis share it:
 * `Replicate` — every rank along the axis holds the same values;
 * `Shard` ``(dim)`` — rank ``i`` along the axis holds the ``i``-th of equal slices along tensor
   dimension ``dim`` (tensor parallelism's row or column split; expert parallelism's split of a
-  stacked expert tensor). Several axes sharding one dim nest in mesh order, outermost first;
+  stacked expert tensor). Several axes sharding one dim nest in mesh order, outermost first.
+  A fused weight (``gate_up_proj``, a fused QKV) is ``Shard(dim, parts)``: ``dim`` is several
+  sub-parameters back to back, each cut into equal slices on its own, and rank ``i`` stores its
+  ``i``-th slice of each, back to back. Its local tensor is then not one box of the global
+  tensor but several (`ParamPlacement.local_boxes`, in storage order: one per part, or, when
+  dims before ``dim`` have more than one index — a stack of experts — one per index and part);
 * `FlatShard` — the ranks along the axes marked so, flattened in mesh order, each hold one
   contiguous row-major range of the rank's box, cut at arbitrary element boundaries (ZeRO's
   flat partitions). Where the cuts fall is the owner's business and is recorded in its shard
@@ -28,6 +33,7 @@ imports torch; the registry of a plain model is built from anything with ``shape
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -53,10 +59,16 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Shard:
-    """Rank ``i`` along the axis holds the ``i``-th of equal slices along tensor dim ``dim``."""
+    """Rank ``i`` along the axis holds the ``i``-th of equal slices along tensor dim ``dim``
+    (of each of ``parts``, for a fused weight)."""
 
     dim: int
     """The sliced tensor dimension (non-negative)."""
+
+    parts: tuple[int, ...] = ()
+    """Extents of the sub-parameters ``dim`` is made of, in order (``(I, I)`` for a fused
+    ``gate_up_proj``; ``(q, k, v)`` rows for a fused QKV); they add up to the dim's extent.
+    Empty (the default) means one part: the plain split."""
 
 
 @dataclass(frozen=True)
@@ -75,14 +87,17 @@ _KINDS: dict[str, type[Replicate] | type[FlatShard]] = {
 
 def _axis_to_json(placement: AxisPlacement) -> dict[str, Any]:
     if isinstance(placement, Shard):
-        return {"kind": "shard", "dim": placement.dim}
+        data: dict[str, Any] = {"kind": "shard", "dim": placement.dim}
+        if placement.parts:  # absent means one part: older readers and files stay as they were
+            data["parts"] = list(placement.parts)
+        return data
     return {"kind": "replicate" if isinstance(placement, Replicate) else "flat_shard"}
 
 
 def _axis_from_json(data: Mapping[str, Any]) -> AxisPlacement:
     kind = data["kind"]
     if kind == "shard":
-        return Shard(int(data["dim"]))
+        return Shard(int(data["dim"]), tuple(int(n) for n in data.get("parts", ())))
     if kind not in _KINDS:
         raise ValueError(f"unknown placement kind {kind!r} (replicate, shard, flat_shard)")
     return _KINDS[kind]()
@@ -138,7 +153,31 @@ class ParamPlacement:
                     f"axis {axis!r}: Shard({placement.dim}) is outside the "
                     f"{len(self.global_shape)} dims of a tensor of shape {self.global_shape}"
                 )
+        self._check_parts()
         self._check_reduction()
+
+    def _check_parts(self) -> None:
+        for axis, placement in zip(self.axes, self.placements, strict=True):
+            if not isinstance(placement, Shard) or not placement.parts:
+                continue
+            dim, parts = placement.dim, placement.parts
+            if any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in parts) or (
+                sum(parts) != self.global_shape[dim]
+            ):
+                raise TopologyError(
+                    f"axis {axis!r}: Shard({dim}, parts={parts}) must name positive extents "
+                    f"adding up to dimension {dim} of {self.global_shape}"
+                )
+            others = [
+                a
+                for a, p in zip(self.axes, self.placements, strict=True)
+                if a != axis and isinstance(p, Shard) and p.dim == dim
+            ]
+            if others:
+                raise TopologyError(
+                    f"axis {axis!r}: a fused Shard({dim}, parts=...) cannot share dimension "
+                    f"{dim} with the Shard({dim}) of {others}; split another dimension there"
+                )
 
     def _check_reduction(self) -> None:
         unknown = [a for a in self.reduce_over if a not in self.axes]
@@ -222,6 +261,64 @@ class ParamPlacement:
             )
         return dict(zip(topology.axis_names, topology.shape, strict=True))
 
+    def _cut(
+        self, topology: Topology, coords: Mapping[str, int]
+    ) -> tuple[list[int], list[int], tuple[int, int, int, tuple[int, ...]] | None]:
+        """The rank's box before any fused split, and the fused split still to make (dim,
+        ranks, coordinate, parts), if any."""
+        sizes = self._sizes(topology)
+        offset, shape = [0] * len(self.global_shape), list(self.global_shape)
+        fused = None
+        for axis, placement in zip(self.axes, self.placements, strict=True):
+            if not isinstance(placement, Shard) or sizes[axis] == 1:
+                continue
+            dim, size = placement.dim, sizes[axis]
+            extents = placement.parts or (shape[dim],)
+            if any(n % size for n in extents):
+                what = f"parts {extents} of" if placement.parts else "dimension"
+                raise TopologyError(
+                    f"Shard({dim}) on axis {axis!r}: {what} {dim} of extent {shape[dim]} "
+                    f"(global shape {self.global_shape}) does not split evenly over {size} ranks"
+                )
+            if placement.parts:
+                fused = (dim, size, coords[axis], placement.parts)
+                continue
+            shape[dim] //= size
+            offset[dim] += coords[axis] * shape[dim]
+        return offset, shape, fused
+
+    def local_boxes(
+        self, topology: Topology, coords: Mapping[str, int]
+    ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        """The boxes of the global tensor the rank at ``coords`` holds, in storage order.
+
+        One box, unless a fused ``Shard(dim, parts)`` splits it: then one box per part (its
+        slice), or, when the dims before ``dim`` have more than one index, one per index (row
+        major) and part — the rank's local tensor is those boxes back to back.
+
+        Args:
+            topology: The axis sizes.
+            coords: The rank's coordinate on every axis (`Topology.coords`).
+
+        Raises:
+            TopologyError: As `local_box`.
+        """
+        offset, shape, fused = self._cut(topology, coords)
+        if fused is None:
+            return ((tuple(offset), tuple(shape)),)
+        dim, size, at, parts = fused
+        boxes = []
+        for lead in itertools.product(*(range(n) for n in shape[:dim])):
+            start = 0
+            for part in parts:
+                box_offset = [*(o + i for o, i in zip(offset, lead, strict=False)), *offset[dim:]]
+                box_offset[dim] = start + at * (part // size)
+                box_shape = [*(1 for _ in lead), *shape[dim:]]
+                box_shape[dim] = part // size
+                boxes.append((tuple(box_offset), tuple(box_shape)))
+                start += part
+        return tuple(boxes)
+
     def local_box(
         self, topology: Topology, coords: Mapping[str, int]
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -235,27 +332,26 @@ class ParamPlacement:
             ``(box_offset, box_shape)``, one entry per tensor dimension.
 
         Raises:
-            TopologyError: The axes differ from the topology's, or a sharded dim does not split
-                evenly over its axis.
+            TopologyError: The axes differ from the topology's, a sharded dim does not split
+                evenly over its axis, or a fused split makes the local tensor several boxes
+                (`local_boxes`).
         """
-        sizes = self._sizes(topology)
-        offset, shape = [0] * len(self.global_shape), list(self.global_shape)
-        for axis, placement in zip(self.axes, self.placements, strict=True):
-            if not isinstance(placement, Shard) or sizes[axis] == 1:
-                continue
-            dim, size = placement.dim, sizes[axis]
-            if shape[dim] % size:
-                raise TopologyError(
-                    f"Shard({dim}) on axis {axis!r}: dimension {dim} of extent {shape[dim]} "
-                    f"(global shape {self.global_shape}) does not split evenly over {size} ranks"
-                )
-            shape[dim] //= size
-            offset[dim] += coords[axis] * shape[dim]
-        return tuple(offset), tuple(shape)
+        boxes = self.local_boxes(topology, coords)
+        if len(boxes) != 1:
+            raise TopologyError(
+                f"a fused split of {self.global_shape} gives each rank {len(boxes)} boxes, not "
+                "one; read them with ParamPlacement.local_boxes"
+            )
+        return boxes[0]
 
     def local_shape(self, topology: Topology) -> tuple[int, ...]:
-        """The shape of the tensor each rank holds (equal on every rank: splits are even)."""
-        return self.local_box(topology, dict.fromkeys(topology.axis_names, 0))[1]
+        """The shape of the tensor each rank holds (equal on every rank: splits are even; a
+        fused split's slices lie back to back along its dim)."""
+        _, shape, fused = self._cut(topology, dict.fromkeys(topology.axis_names, 0))
+        if fused is not None:
+            dim, size, _, _ = fused
+            shape[dim] //= size
+        return tuple(shape)
 
     @property
     def numel(self) -> int:

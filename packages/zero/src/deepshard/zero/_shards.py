@@ -5,14 +5,17 @@ This is what the checkpoint package reads. Each trainable parameter gets a
 placement (`deepshard.zero._placements`): the box of the global tensor its holder keeps (the
 whole tensor for a plain model, a slice under tensor parallelism), then the flat range of that
 box the holder's fp32 master partition covers, with ``local_offset``, where that range starts in
-the master partition of the parameter's param group. Every piece carries its holder's
-coordinate on each mesh axis. At stage 0 every rank holds every parameter whole (the map is
-replicated over the group); at stages 1-2 the masters' placement marks the reduction axes
-`deepshard.interface.FlatShard`.
+the master partition of the parameter's param group. A fused tensor-parallel weight
+(``Shard(dim, parts)``) is several boxes stored back to back; a flat range then becomes one
+piece per box it meets, each with its own range of that box and its own local offset. Every
+piece carries its holder's coordinate on each mesh axis. At stage 0 every rank holds every
+parameter whole (the map is replicated over the group); at stages 1-2 the masters' placement
+marks the reduction axes `deepshard.interface.FlatShard`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -51,6 +54,32 @@ def _spans(layout: FlatLayout, slot: ParamSlot, group_size: int) -> list[tuple[i
     return [(p.rank, p.flat_start, p.flat_stop, p.local_offset) for p in layout.pieces(slot)]
 
 
+def _box_pieces(
+    boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+    rank: int,
+    span: tuple[int, int, int],
+    coords: tuple[int, ...],
+) -> list[ShardPiece]:
+    """The pieces of one holder's flat range ``[start, stop)`` of its local tensor, which is
+    ``boxes`` back to back: one piece per box the range meets (the range itself, for one box).
+
+    ``span`` is ``(start, stop, local_offset)``; each piece's flat range is relative to its box
+    and its local offset moves on by the elements before it."""
+    start, stop, local = span
+    if len(boxes) == 1:
+        offset, box = boxes[0]
+        return [ShardPiece(rank, offset, box, start, stop, local, coords)]
+    pieces, base = [], 0
+    for offset, box in boxes:
+        size = math.prod(box)
+        lo, hi = max(start, base), min(stop, base + size)
+        if lo < hi:
+            piece = ShardPiece(rank, offset, box, lo - base, hi - base, local + lo - start, coords)
+            pieces.append(piece)
+        base += size
+    return pieces
+
+
 def _shard_map(
     layout: FlatLayout, slot: ParamSlot, placement: ParamPlacement, where: GroupPlacements
 ) -> ShardMap:
@@ -58,10 +87,8 @@ def _shard_map(
     pieces = []
     for rank, start, stop, local in _spans(layout, slot, len(where.member_coords)):
         coords = where.member_coords[rank]
-        offset, box = placement.local_box(
-            topology, dict(zip(topology.axis_names, coords, strict=True))
-        )
-        pieces.append(ShardPiece(rank, offset, box, start, stop, local, coords))
+        boxes = placement.local_boxes(topology, dict(zip(topology.axis_names, coords, strict=True)))
+        pieces += _box_pieces(boxes, rank, (start, stop, local), coords)
     return ShardMap(
         placement.global_shape,
         "float32",

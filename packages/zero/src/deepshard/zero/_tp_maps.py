@@ -6,7 +6,8 @@ and a flat range of that box (its ZeRO partition). A checkpoint of the whole mod
 TP slice in one map. The ranks of one tensor-parallel group lay their units out identically
 (equal local shapes), so the pieces held at ``tp`` coordinate ``t`` are this group's pieces with
 ``t`` put in their coordinates and the box recomputed from the placement
-(`ParamPlacement.local_box`); a replicated parameter simply gets equal boxes at every ``t``
+(`ParamPlacement.local_boxes`: the box in the same place of the holder's storage, for a fused
+weight stored as several); a replicated parameter simply gets equal boxes at every ``t``
 (replicas of the same bytes). The widened map spans the reduction axes plus ``tp``, so its
 rank is the holder's index in that grid, row-major in mesh order: with ``pp = 1`` its global
 rank. No communication is needed.
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from deepshard.interface import ParamPlacement, ShardMap, Topology
+from deepshard.interface import ParamPlacement, ShardMap, ShardPiece, Topology
 from deepshard.interface.errors import CheckpointError
 from deepshard.zero._state_entry import StateShard
 
@@ -76,12 +77,25 @@ def widen_over_axis(
             offset, box = (
                 (piece.box_offset, piece.box_shape)
                 if placement is None
-                else placement.local_box(topology, named)
+                else _same_box(placement, topology, piece, named)
             )
             pieces.append(
                 replace(piece, rank=rank, box_offset=offset, box_shape=box, coords=coords)
             )
     return replace(shard_map, pieces=tuple(pieces), axes=axes)
+
+
+def _same_box(
+    placement: ParamPlacement, topology: Topology, piece: ShardPiece, coords: dict[str, int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box at ``coords`` that stands where ``piece``'s box stands in its holder's storage
+    (the only one, unless a fused split makes the local tensor several boxes)."""
+    own = dict(zip(topology.axis_names, piece.coords, strict=True))
+    mine = placement.local_boxes(topology, own)
+    theirs = placement.local_boxes(topology, coords)
+    if len(mine) == 1:
+        return theirs[0]
+    return theirs[mine.index((piece.box_offset, piece.box_shape))]
 
 
 def expert_widened_entries(

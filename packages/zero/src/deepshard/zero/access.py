@@ -82,7 +82,8 @@ class PartitionedOwner(Protocol):
 
     def param_shard_map(self, param: torch.Tensor) -> ShardMap | None:
         """Where the parameter's fp32 master elements live: one box (the parameter's shape, a
-        slice under tensor parallelism) cut into flat pieces over `partition_group`.
+        slice under tensor parallelism; a fused weight's slice is several boxes back to back)
+        cut into flat pieces over `partition_group`.
 
         Returns:
             ``None`` for a frozen parameter the owner does not train.
@@ -129,23 +130,48 @@ class PartitionedOwner(Protocol):
         ...
 
 
-def _box(shard_map: ShardMap) -> tuple[int, ...]:
-    """The one box every piece of a group's map cuts (the parameter's shape)."""
-    boxes = {(p.box_offset, p.box_shape) for p in shard_map.pieces}
-    if len(boxes) != 1:
+def _storage(
+    shard_map: ShardMap,
+) -> tuple[tuple[int, ...], dict[tuple[tuple[int, ...], tuple[int, ...]], int]]:
+    """The shape of the tensor a group's map cuts, and where each of its boxes starts in it.
+
+    One box is the parameter's shape (a slice under tensor parallelism). A fused weight's slice
+    (``Shard(dim, parts)``) is several boxes back to back in the parameter's storage; they
+    appear in storage order when the pieces are read by rank and local offset (each rank holds
+    a later range than the one before it, or the whole tensor)."""
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for piece in sorted(shard_map.pieces, key=lambda p: (p.rank, p.local_offset)):
+        if (piece.box_offset, piece.box_shape) not in boxes:
+            boxes.append((piece.box_offset, piece.box_shape))
+    if len(boxes) == 1:
+        return boxes[0][1], {boxes[0]: 0}
+    # along each dim, the boxes' distinct offsets each bring their extent (a fused split's
+    # parts along its dim; the local experts of a stack along the dims before it)
+    shape = tuple(
+        sum(dict((offset[d], box[d]) for offset, box in boxes).values())
+        for d in range(len(shard_map.global_shape))
+    )
+    if sum(math.prod(box) for _, box in boxes) != math.prod(shape):
         raise CommError(
-            f"the shard map spans {len(boxes)} boxes of a {shard_map.global_shape} tensor; the "
-            "owner's map must cut one box (the parameter's shape) over its group"
+            f"the shard map's {len(boxes)} boxes of a {shard_map.global_shape} tensor do not "
+            "make up one local tensor; the owner's map must cut one box, or a fused weight's "
+            "boxes (Shard(dim, parts)), over its group"
         )
-    return next(iter(boxes))[1]
+    starts, base = {}, 0
+    for box in boxes:
+        starts[box] = base
+        base += math.prod(box[1])
+    return shape, starts
 
 
-def _needs_sum(shard_map: ShardMap, numel: int, group_size: int) -> bool:
-    """False when every rank of the group holds the whole box; True for disjoint pieces."""
-    whole = {p.rank for p in shard_map.pieces if p.flat_start == 0 and p.stop == numel}
-    if len(whole) == group_size:
+def _needs_sum(found: _Located, numel: int, group_size: int) -> bool:
+    """False when every rank of the group holds the whole tensor; True for disjoint pieces."""
+    held: dict[int, int] = {}
+    for piece in found.shard_map.pieces:
+        held[piece.rank] = held.get(piece.rank, 0) + piece.numel
+    if sum(count == numel for count in held.values()) == group_size:
         return False
-    spans = sorted((p.flat_start, p.stop) for p in shard_map.pieces if p.numel)
+    spans = sorted(found.span(p) for p in found.shard_map.pieces if p.numel)
     if any(a_stop > b_start for (_, a_stop), (b_start, _) in itertools.pairwise(spans)):
         raise CommError(
             "the shard map mixes overlapping and partial pieces; the safe_get functions gather "
@@ -169,6 +195,13 @@ class _Located:
     shape: tuple[int, ...]
     pieces: tuple[ShardPiece, ...]
     views: list[torch.Tensor] | None
+    starts: dict[tuple[tuple[int, ...], tuple[int, ...]], int]
+    """Where each box of the map starts in the parameter's storage (0 for its one box)."""
+
+    def span(self, piece: ShardPiece) -> tuple[int, int]:
+        """``piece``'s elements as a range of the parameter's flat storage."""
+        start = self.starts[(piece.box_offset, piece.box_shape)] + piece.flat_start
+        return start, start + piece.numel
 
 
 def _locate(
@@ -180,7 +213,8 @@ def _locate(
         return None
     pieces = shard_map.pieces_of(owner.partition_group.rank())
     views = owner.local_views(param, kind, key)
-    return _Located(shard_map, _box(shard_map), pieces, views)
+    shape, starts = _storage(shard_map)
+    return _Located(shard_map, shape, pieces, views, starts)
 
 
 def _gather(found: _Located, owner: PartitionedOwner, device: torch.device) -> torch.Tensor:
@@ -189,10 +223,11 @@ def _gather(found: _Located, owner: PartitionedOwner, device: torch.device) -> t
     local = _concat(found.views or [], device)
     start = 0
     for piece in found.pieces:
-        full[piece.flat_start : piece.stop].copy_(local[start : start + piece.numel])
+        lo, hi = found.span(piece)
+        full[lo:hi].copy_(local[start : start + piece.numel])
         start += piece.numel
     group = owner.partition_group
-    if _needs_sum(found.shard_map, full.numel(), group.size()):
+    if _needs_sum(found, full.numel(), group.size()):
         all_reduce(full, group=group).wait()
     return full.view(found.shape)
 
@@ -238,7 +273,8 @@ def _set(
         )
     whole = _value(value, math.prod(found.shape), found.shape, what) if full else None
     if whole is not None:
-        local = _concat([whole[p.flat_start : p.stop] for p in found.pieces], param.device)
+        spans = [found.span(p) for p in found.pieces]
+        local = _concat([whole[lo:hi] for lo, hi in spans], param.device)
     else:
         numel = sum(p.numel for p in found.pieces)
         local = _value(value, numel, (numel,), what)

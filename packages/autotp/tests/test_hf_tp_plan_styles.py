@@ -71,6 +71,7 @@ def test_a_norm_marked_replicated_with_grad_allreduce() -> None:
 def test_an_unknown_style_names_the_partition_config_key() -> None:
     for style in ("sequence_parallel", "rowwise_rep"):
         model = _model({"model.layers.*.mlp.dense_4h_to_h": style})
+        model.config.model_type = "chatglm-like"  # no preset to fall back to
         with pytest.raises(ConfigError, match=style) as caught:
             make_plan(model, 2)
         assert caught.value.problems[0][0] == "tensor_parallel.partition_config"

@@ -79,8 +79,15 @@ def test_shapes_and_presets_checked_by_the_config() -> None:
 
 
 def test_a_tp_plan_style_autotp_cannot_honour_refuses_the_whole_plan() -> None:
-    # Phi-3's plan gathers qkv and splits o_proj's whole input ("rowwise_split_input").
+    """Phi-3's plan gathers qkv and splits o_proj's whole input ("rowwise_split_input"): with
+    no preset for the model's type the plan is refused whole; Phi-3's own type has one, which
+    plans it instead, with a warning naming the refusal and the key."""
+    other = models.phi3()
+    other.config.model_type = "phi3-custom"
     with pytest.raises(ConfigError, match="rowwise_split_input") as caught:
-        make_plan(models.phi3(), 2)
+        make_plan(other, 2)
     assert _problem_keys(caught) == ["tensor_parallel.partition_config"]
-    assert make_plan(models.phi3(), 2, TensorParallelConfig(preset_model="phi3")).layers
+    with pytest.warns(AutoTPWarning, match=r"rowwise_split_input.*'phi3' preset instead"):
+        fallback = make_plan(models.phi3(), 2)
+    explicit = make_plan(models.phi3(), 2, TensorParallelConfig(preset_model="phi3"))
+    assert fallback.layers == explicit.layers

@@ -4,7 +4,9 @@ The sources, in priority order; the first one present decides the whole model:
 
 1. explicit specs: ``partition_config.layer_specs`` and the ``preset_model`` preset (merged
    when ``use_default_specs``), or any ``partition_config`` with ``strict_mode`` on;
-2. the model's Hugging Face ``tp_plan`` (config, class and instance);
+2. the model's Hugging Face ``tp_plan`` (config, class and instance); one using a style AutoTP
+   cannot apply (Phi-3's ``rowwise_split_input``) is refused whole, and the preset of the
+   model's type is used instead when there is one, with a warning;
 3. the structural heuristic.
 
 One source per model, as in DeepSpeed: mixing them module by module could pair a column split
@@ -29,8 +31,9 @@ from deepshard.autotp._hf_plan import TpPlanSource, hf_tp_plan
 from deepshard.autotp._layout import fused_parts, in_attention, leaf
 from deepshard.autotp._meta import AutoTPMeta
 from deepshard.autotp._plan_types import LayerPlan, Style, TPPlan
+from deepshard.autotp._presets import PRESETS
 from deepshard.autotp._sizes import sub_parameter_sizes
-from deepshard.autotp._specs import SpecMatcher, resolve_specs
+from deepshard.autotp._specs import LabelledSpec, SpecMatcher, resolve_specs
 from deepshard.autotp._warnings import AutoTPWarning
 from deepshard.interface.config import TensorParallelConfig
 from deepshard.interface.errors import ConfigError
@@ -92,12 +95,19 @@ def _decide_all(
     partition = config.partition_config
     strict = partition is not None and partition.strict_mode
     specs = resolve_specs(config, meta)
+    source = None
+    if not (specs or strict) and (plan := hf_tp_plan(model)):
+        try:
+            source = TpPlanSource(plan)
+        except ConfigError as exc:
+            specs = _preset_instead(config, meta, exc)
+            if not specs:
+                raise
     if specs or strict:
         matcher = SpecMatcher(specs, meta.model_type)
         decided = {name: matcher.decide(name, module) for name, module in owners}
         matcher.finish(strict)
-    elif plan := hf_tp_plan(model):
-        source = TpPlanSource(plan)
+    elif source is not None:
         decided = {name: source.decide(name, module) for name, module in owners}
     else:
         linears = [name for name, module in owners if isinstance(module, torch.nn.Linear)]
@@ -105,6 +115,23 @@ def _decide_all(
         heuristic = HeuristicSource(linears, lm_heads, embeddings, meta)
         decided = {name: heuristic.decide(name, module) for name, module in owners}
     return {name: decision for name, decision in decided.items() if decision is not None}
+
+
+def _preset_instead(
+    config: TensorParallelConfig, meta: AutoTPMeta, refusal: ConfigError
+) -> list[LabelledSpec]:
+    """The preset of the model's own type, when its Hugging Face ``tp_plan`` uses a style
+    AutoTP cannot apply (Phi-3's ``rowwise_split_input``); empty when there is no such preset.
+    Warns, so the choice is visible (setting ``preset_model`` says it and silences this)."""
+    if meta.model_type is None or meta.model_type.lower() not in PRESETS:
+        return []
+    warnings.warn(
+        f"{refusal}. Planning it with the {meta.model_type.lower()!r} preset instead (set "
+        f"tensor_parallel.preset_model: {meta.model_type.lower()!r} to choose it explicitly)",
+        AutoTPWarning,
+        stacklevel=4,
+    )
+    return resolve_specs(config.model_copy(update={"preset_model": meta.model_type}), meta)
 
 
 def _apply_head_rules(

@@ -16,7 +16,16 @@ slice of the reference (AutoTP's shard maps), every expert stack (gathered over 
 every other parameter the reference's value, to 1e-5. A wrong gradient group (experts averaged
 over ``tp``, or summed there, or the norm counting the tp-replicated experts twice) moves the
 weights by far more. Local shapes are asserted: experts split by ``ep`` only, ``q_proj`` by
-``tp`` only. ``expert_tensor_parallel_size: 2`` is refused, naming the key.
+``tp`` only.
+
+With ``expert_tensor_parallel_size: 2`` (ZeRO 1 and 3) each local expert is split over ``tp``
+too: ``gate_up`` keeps its ``tp`` rank's half of the gate rows and of the up rows, ``down`` the
+matching columns, and the expert outputs are summed over ``tp`` before the combine. The same
+losses are required, and every expert stack (gathered over ``ep``) must be the reference's
+slice, cut here from the reference by those rows and columns. A size that is not the mesh's
+``tp`` (4) is refused, naming the key. The expert-TP ZeRO-3 run saves a checkpoint, which loads
+at (ep 2, tp 1, experts whole, ZeRO-3) and at (ep 1, tp 2, expert TP, ZeRO-2): logits on a fixed
+batch must be the reference model's after `STEPS` steps.
 """
 
 from __future__ import annotations
@@ -35,7 +44,9 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("transformers", reason="transformers is in the dev group only")
 
 STEPS, LR, CLIP, MB, SEQ, VOCAB, EXPERTS, HIDDEN, HEAD_DIM = 3, 1e-2, 1.0, 2, 8, 96, 4, 64, 16
-STAGES = (1, 2, 3)
+RUNS = ((1, 1), (2, 1), (3, 1), (1, 2), (3, 2))
+"""(ZeRO stage, expert_tensor_parallel_size)."""
+MOE_INTER = 32
 EPS = 1e-3
 """Adam's ``eps``, as in ``test_autoep_zero_matches_reference.py``: a gradient element that
 nearly cancels (summed in another order by the grouped experts and the TP layers) would turn
@@ -53,7 +64,7 @@ def _model() -> torch.nn.Module:
         num_key_value_heads=2,
         head_dim=HEAD_DIM,
         intermediate_size=64,
-        moe_intermediate_size=32,
+        moe_intermediate_size=MOE_INTER,
         num_experts=EXPERTS,
         num_experts_per_tok=2,
         mlp_only_layers=[0],
@@ -79,7 +90,7 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (MB, SEQ), generator=g)
 
 
-def _config(stage: int, expert_tp: int = 1) -> dict[str, Any]:
+def _config(stage: int, expert_tp: int = 1, ep: int = 2, tp: int = 2) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": 1,
@@ -88,18 +99,22 @@ def _config(stage: int, expert_tp: int = 1) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "torch_adam": True}},
         "expert_parallel": {
             "enabled": True,
-            "autoep_size": 2,
+            "autoep_size": ep,
             "expert_tensor_parallel_size": expert_tp,
         },
-        "tensor_parallel": {"autotp_size": 2},
+        "tensor_parallel": {"autotp_size": tp},
     }
 
 
-def _run(dims: Any, stage: int) -> dict[str, Any]:
+def _probe() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (MB, SEQ), generator=torch.Generator().manual_seed(99))
+
+
+def _run(dims: Any, stage: int, expert_tp: int, root: str | None = None) -> dict[str, Any]:
     import deepshard.engine as ds
     from deepshard.autotp import tp_state
 
-    engine, zero, _, _ = ds.initialize(_model(), _config(stage), mesh=dims)
+    engine, zero, _, _ = ds.initialize(_model(), _config(stage, expert_tp), mesh=dims)
     losses = []
     for step in range(STEPS):
         ids = _batch(step, dims.batch_rank)
@@ -107,6 +122,8 @@ def _run(dims: Any, stage: int) -> dict[str, Any]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    if root is not None:
+        engine.save_checkpoint(root)
     gathered = zero.sharded.gathered() if stage == 3 else torch.no_grad()
     with gathered:
         local = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
@@ -125,19 +142,36 @@ def _run(dims: Any, stage: int) -> dict[str, Any]:
     }
 
 
-def _train(mesh: Any) -> dict[str, Any]:
+def _train(mesh: Any, root: str) -> dict[str, Any]:
     import deepshard.engine as ds
     from deepshard.comm import ParallelDims
     from deepshard.interface.errors import ConfigError
 
     dims = ParallelDims.from_mesh(mesh)
-    runs = {stage: _run(dims, stage) for stage in STAGES}
+    runs = {run: _run(dims, *run, root=root if run == (3, 2) else None) for run in RUNS}
     try:
-        ds.initialize(_model(), _config(1, expert_tp=2), mesh=dims)
+        ds.initialize(_model(), _config(1, expert_tp=4), mesh=dims)
         refusal = "accepted"
     except ConfigError as exc:
         refusal = str(exc)
     return {"runs": runs, "refusal": refusal, "batch_rank": dims.batch_rank, **dims.coordinate}
+
+
+def _load(mesh: Any, root: str, stage: int, expert_tp: int) -> torch.Tensor:
+    import deepshard.engine as ds
+
+    topology = mesh_topology(mesh)
+    config = _config(stage, expert_tp, ep=topology.ep, tp=topology.tp)
+    engine, _, _, _ = ds.initialize(_model(), config, mesh=mesh)
+    engine.load_checkpoint(root)
+    with torch.no_grad():
+        return engine(input_ids=_probe()).logits.detach().clone()
+
+
+def mesh_topology(mesh: Any) -> Topology:
+    from deepshard.comm import ParallelDims
+
+    return ParallelDims.from_mesh(mesh).topology
 
 
 def _reference() -> dict[str, Any]:
@@ -151,16 +185,32 @@ def _reference() -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append([loss.item() for loss in per_rank])
-    return {"losses": losses, "params": dict(model.named_parameters())}
+    with torch.no_grad():
+        probe = model(input_ids=_probe()).logits
+    return {"losses": losses, "params": dict(model.named_parameters()), "probe": probe}
 
 
-def _check_params(got: dict[str, Any], ref: dict[str, Any], tp_rank: int, what: str) -> int:
+def _expert_slice(name: str, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """The ``tp`` rank's slice of a whole expert stack under expert TP (Megatron's split)."""
+    w = MOE_INTER // 2
+    cut = slice(tp_rank * w, (tp_rank + 1) * w)
+    if name.endswith("gate_up_proj"):
+        return torch.cat([full[:, :MOE_INTER][:, cut], full[:, MOE_INTER:][:, cut]], dim=1)
+    return full[..., cut]
+
+
+def _check_params(
+    got: dict[str, Any], ref: dict[str, Any], tp_rank: int, what: str, expert_tp: int
+) -> int:
     split = 0
     assert set(got["params"]) == set(ref["params"]), what
     for name, value in got["params"].items():
         full = ref["params"][name].detach()
         smap = got["maps"].get(name)
-        if smap is not None:
+        if ".experts." in name and expert_tp > 1:
+            split += 1
+            full = _expert_slice(name, full, tp_rank)
+        elif smap is not None:
             split += 1
             full = torch.tensor(smap.extract(full.reshape(-1).tolist(), tp_rank))
         torch.testing.assert_close(
@@ -169,10 +219,10 @@ def _check_params(got: dict[str, Any], ref: dict[str, Any], tp_rank: int, what: 
     return split
 
 
-def _check_shapes(shapes: dict[str, tuple[int, ...]], what: str) -> None:
-    experts = "model.layers.1.mlp.experts"
-    assert shapes[f"{experts}.gate_up_proj"] == (EXPERTS // 2, 2 * 32, HIDDEN), what
-    assert shapes[f"{experts}.down_proj"] == (EXPERTS // 2, HIDDEN, 32), what
+def _check_shapes(shapes: dict[str, tuple[int, ...]], what: str, expert_tp: int) -> None:
+    experts, inter = "model.layers.1.mlp.experts", MOE_INTER // expert_tp
+    assert shapes[f"{experts}.gate_up_proj"] == (EXPERTS // 2, 2 * inter, HIDDEN), what
+    assert shapes[f"{experts}.down_proj"] == (EXPERTS // 2, HIDDEN, inter), what
     assert shapes["model.layers.1.mlp.gate.weight"] == (EXPERTS, HIDDEN), what  # router whole
     for layer in (0, 1):
         q = shapes[f"model.layers.{layer}.self_attn.q_proj.weight"]
@@ -182,8 +232,9 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], what: str) -> None:
 
 @pytest.mark.timeout(600)
 def test_ep2_tp2_qwen3_moe_matches_one_process(tmp_path: Any) -> None:
+    root = str(tmp_path / "ckpt")
     results = run_on_mesh(
-        _train, 4, topology=Topology(ep=2, tp=2), store_dir=tmp_path, timeout_s=500
+        _train, 4, topology=Topology(ep=2, tp=2), args=(root,), store_dir=tmp_path, timeout_s=500
     )
     ref = _reference()
     initial = dict(_model().named_parameters())
@@ -191,12 +242,22 @@ def test_ep2_tp2_qwen3_moe_matches_one_process(tmp_path: Any) -> None:
     assert [(r["ep"], r["tp"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank in results:
         assert rank["batch_rank"] == rank["ep"]  # TP peers read the same batch
-        for stage in STAGES:
-            got = rank["runs"][stage]
-            what = f"ep {rank['ep']} tp {rank['tp']} zero-{stage}"
-            _check_shapes(got["shapes"], what)
+        for stage, expert_tp in RUNS:
+            got = rank["runs"][stage, expert_tp]
+            what = f"ep {rank['ep']} tp {rank['tp']} zero-{stage} expert-tp {expert_tp}"
+            _check_shapes(got["shapes"], what, expert_tp)
             want = [step[rank["batch_rank"]] for step in ref["losses"]]
             assert got["losses"] == pytest.approx(want, rel=1e-5), what
             # q k v o of two layers, the dense MLP's three, the LM head and the embedding
-            assert _check_params(got, ref, rank["tp"], what) >= 8 + 3 + 2, what
-        assert rank["refusal"].startswith("expert_parallel.expert_tensor_parallel_size: 2")
+            # (and the two expert stacks under expert TP)
+            split = 8 + 3 + 2 + (2 if expert_tp > 1 else 0)
+            assert _check_params(got, ref, rank["tp"], what, expert_tp) >= split, what
+        assert rank["refusal"].startswith("expert_parallel.expert_tensor_parallel_size: 4")
+        assert "mesh's tp axis of size 2" in rank["refusal"]
+    for topology, stage, expert_tp in ((Topology(ep=2), 3, 1), (Topology(tp=2), 2, 2)):
+        store = tmp_path / f"load_ep{topology.ep}_tp{topology.tp}"
+        loaded = run_on_mesh(
+            _load, 2, topology=topology, args=(root, stage, expert_tp), store_dir=store
+        )
+        for logits in loaded:
+            torch.testing.assert_close(logits, ref["probe"], rtol=1e-4, atol=1e-5)

@@ -256,11 +256,11 @@ def test_autoep_size_must_be_the_mesh_ep() -> None:
         _initialize(_config(2), Topology(dp=2))
 
 
-def test_placements_and_expert_tp_are_refused_with_autoep() -> None:
+def test_placements_and_an_expert_tp_size_other_than_tp_are_refused_with_autoep() -> None:
     registry = PlacementRegistry.replicated(_model().named_parameters(), Topology(ep=2))
     with pytest.raises(ConfigError, match=r"initialize\(placements=\) together with expert"):
         _initialize(_config(2), Topology(ep=2), placements=registry)
     with_tp = {**_config(3), "tensor_parallel": {"autotp_size": 2}}
-    with_tp["expert_parallel"] = {**with_tp["expert_parallel"], "expert_tensor_parallel_size": 2}
-    with pytest.raises(ConfigError, match=r"expert_parallel\.expert_tensor_parallel_size: 2 "):
+    with_tp["expert_parallel"] = {**with_tp["expert_parallel"], "expert_tensor_parallel_size": 4}
+    with pytest.raises(ConfigError, match=r"expert_tensor_parallel_size: 4 differs from the mesh"):
         _initialize(with_tp, Topology(ep=2, tp=2))

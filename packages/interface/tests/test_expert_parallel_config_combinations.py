@@ -32,11 +32,6 @@ def _problems(section: dict[str, Any]) -> list[tuple[str, str]]:
             "score_apply post",
         ),
         (
-            {"combine_impl": "fused_weighted_sum", "expert_tensor_parallel_size": 2},
-            "expert_parallel.combine_impl",
-            "expert_tensor_parallel_size 1",
-        ),
-        (
             {"comm_backend": "deepep", "comm_max_tokens_per_rank": 4096,
              "expert_tensor_parallel_size": 2},
             "expert_parallel.comm_backend",

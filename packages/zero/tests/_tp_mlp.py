@@ -22,37 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from deepshard.comm import copy_to_group, reduce_from_group
+
 D, H, HEAD = 8, 16, 4
 CLIP, LR, STEPS, MB = 1.0, 1e-2, 5, 4
-
-
-class _CopyToTp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        from deepshard.comm import all_reduce
-
-        grad = grad.clone()
-        all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        from deepshard.comm import all_reduce
-
-        out = x.clone()
-        all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
 
 
 class TpMlp(torch.nn.Module):
@@ -69,12 +42,12 @@ class TpMlp(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
         if self.group is not None:
-            h = _CopyToTp.apply(h, self.group)
+            h = copy_to_group(h, group=self.group)
         h = torch.tanh(self.up(h))
         h = (h.unflatten(-1, (-1, HEAD)) * self.scale).flatten(-2)
         out = F.linear(h, self.down.weight)
         if self.group is not None:
-            out = _ReduceFromTp.apply(out, self.group)
+            out = reduce_from_group(out, group=self.group)
         return out + self.down.bias
 
 

@@ -8,7 +8,9 @@ Forward, for hidden states ``[B, S, H]`` (``T = B·S`` tokens):
 2. *Routing.* `route` computes the top-k experts and weights in fp32 from those logits, with
    the preset's knobs and the block's correction bias (DeepSeek-V3).
 3. *Experts.* Rows are sorted by expert, dispatched to the ranks owning their experts, run
-   through the local `GroupedExperts`, sent back and unsorted (`_dispatch`).
+   through the local `GroupedExperts`, sent back and unsorted (`_dispatch`). Under expert
+   tensor parallelism each ``tp`` rank runs its slice of every local expert on the same rows
+   and the outputs are summed over ``tp`` before they travel back.
 4. *Combine.* Each token's ``K`` expert rows are summed with their weights in fp32.
    With ``score_apply="pre"`` (Llama-4 style) each dispatched row is instead multiplied by its
    routing weight (in fp32, cast back to the row dtype) before the expert GEMMs, and the
@@ -34,6 +36,7 @@ from deepshard.autoep._dispatch import AllToAllTransport, local_expert_order
 from deepshard.autoep._grouped_experts import GroupedExperts
 from deepshard.autoep._presets import RouterSettings
 from deepshard.autoep._router import Routing, route
+from deepshard.comm import Group, copy_to_group, reduce_from_group
 
 __all__ = ["ExpertParallelBlock"]
 
@@ -56,6 +59,9 @@ class ExpertParallelBlock(nn.Module):
         combine_impl: How the routed rows are summed back into tokens (`combine`).
         score_apply: ``"post"``: weights scale the expert outputs at the combine; ``"pre"``:
             they scale the dispatched input rows and the combine is an unweighted sum.
+        tp_group: Under expert tensor parallelism, the ``tp`` group the local experts are
+            split over: the received rows enter through `copy_to_group`, the expert outputs
+            are summed over it (`reduce_from_group`) before they travel back. None: whole.
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class ExpertParallelBlock(nn.Module):
         shared_gate: tuple[str, nn.Module] | None = None,
         combine_impl: CombineImpl = "weighted_sum",
         score_apply: Literal["pre", "post"] = "post",
+        tp_group: Group | None = None,
     ) -> None:
         super().__init__()
         self.add_module(router_name, router)
@@ -89,6 +96,7 @@ class ExpertParallelBlock(nn.Module):
         self.correction_bias_path = correction_bias_path
         self.combine_impl: CombineImpl = combine_impl
         self.score_apply: Literal["pre", "post"] = score_apply
+        self.tp_group = tp_group
 
     @property
     def local_experts(self) -> GroupedExperts:
@@ -133,6 +141,8 @@ class ExpertParallelBlock(nn.Module):
             rows = (rows.float() * row_weights.unsqueeze(-1)).to(rows.dtype)
             weights = torch.ones_like(weights)
         received, received_counts, plan = self.transport.dispatch(rows, order.counts)
+        if self.tp_group is not None:  # each tp rank computes its slice of every expert
+            received = copy_to_group(received, group=self.tp_group)
         experts = self.local_experts
         if experts.uses_grouped_mm(received):
             local = local_expert_order(received_counts)
@@ -141,6 +151,8 @@ class ExpertParallelBlock(nn.Module):
         else:
             # The loop reads each (source, expert) block in place: no regrouping gathers.
             out = experts.forward_by_source(received, received_counts)
+        if self.tp_group is not None:  # partial sums over the experts' tp slices
+            out = reduce_from_group(out, group=self.tp_group)
         back = self.transport.combine(out, plan)
         return combine(back, weights, order.index, impl=self.combine_impl)
 

@@ -19,6 +19,16 @@ Placements (interface) are then written for every parameter of the model: expert
 ``Shard(0)`` on ``ep`` with their global shape, reduced over ``dp``; all others replicated and
 reduced over ``dp × ep × sp``. Each expert parameter also gets its `ShardMap` over ``ep``.
 
+*Expert tensor parallelism* (``expert_tensor_parallel_size`` = the mesh's ``tp``, with AutoTP
+splitting the dense layers over the same ranks): every ``tp`` rank of an ``ep`` group sees the
+same tokens and routing, so each local expert is split over ``tp`` Megatron-style (`_tp_slices`:
+``gate_up`` keeps its slice of the gate rows and of the up rows, ``down`` the matching columns).
+The block enters the received rows through `deepshard.comm.copy_to_group` (their gradient is
+summed over ``tp``) and sums the expert outputs over ``tp`` (`reduce_from_group`) *before* the
+weighted combine, so the routing weights and everything after see whole outputs. The stacks'
+placements add the ``tp`` split (``Shard(1, (I, I))`` for ``gate_up``: two boxes per expert;
+``Shard(2)`` for ``down``) and their maps span ``ep × tp``.
+
 *A model that is partitioned already* (built under ``deepshard.zero.Init``: every ``.data``
 is an empty slice) is replaced through a `deepshard.interface.PartitionedParams` the caller
 passes (the engine's is ``deepshard.zero.Repartition``): step 1-2 run inside
@@ -31,6 +41,8 @@ before the next block is read; full shapes for the placements come from
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,6 +65,7 @@ from deepshard.interface import (
     PlacementRegistry,
     Shard,
     ShardMap,
+    ShardPiece,
     Topology,
 )
 from deepshard.interface.config.moe import ExpertParallelConfig
@@ -60,6 +73,7 @@ from deepshard.interface.errors import ConfigError
 
 __all__ = ["parallelize_experts"]
 
+_ETP = "expert_parallel.expert_tensor_parallel_size"
 _BIAS_NAME = re.compile(r"(^|\.)e_score_correction_bias$")
 _MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
@@ -79,11 +93,20 @@ def _section(config: ExpertParallelConfig | None, topology: Topology) -> ExpertP
     if config is None or not config.enabled:
         # Calling parallelize_experts is the request; the mesh says the degree.
         base = config or ExpertParallelConfig()
-        return base.model_copy(update={"enabled": True, "autoep_size": topology.ep})
+        config = base.model_copy(update={"enabled": True, "autoep_size": topology.ep})
     if config.autoep_size != topology.ep:
         raise ConfigError(
             f"expert_parallel.autoep_size: {config.autoep_size} differs from the mesh's ep "
             f"axis {topology.ep}; build the mesh with Topology(ep={config.autoep_size}, ...)"
+        )
+    etp = config.expert_tensor_parallel_size
+    if etp > 1 and etp != topology.tp:
+        raise ConfigError(
+            f"expert_parallel.expert_tensor_parallel_size: {etp} differs from the mesh's tp "
+            f"axis {topology.tp}; experts are split over the same tp ranks as the dense layers "
+            f"(tensor_parallel.autotp_size = {etp}), or set it to 1 (experts whole on every "
+            "tp rank)",
+            [(_ETP, f"{etp} != tp {topology.tp}")],
         )
     return config
 
@@ -158,6 +181,45 @@ def _local_weights(
     return (stack_gate_up, stack_down)
 
 
+def _tp_slices(
+    derive_gate_up: Callable[[Sequence[torch.Tensor]], torch.Tensor],
+    derive_down: Callable[[Sequence[torch.Tensor]], torch.Tensor],
+    intermediate: int,
+    dims: ParallelDims,
+    name: str,
+) -> tuple[Callable[[Sequence[torch.Tensor]], torch.Tensor], ...]:
+    """The local stacks cut to this rank's ``tp`` slice of every expert (expert TP).
+
+    Each expert is split Megatron-style: ``gate_up`` keeps rows ``[t·w, (t+1)·w)`` of the gate
+    half and the same rows of the up half, back to back (so the local ``chunk(2)`` still gives
+    gate and up), ``down`` the columns ``[t·w, (t+1)·w)``; ``w = I / tp``.
+    """
+    tp, t = dims.topology.tp, dims.coordinate["tp"]
+    if intermediate % tp:
+        raise ConfigError(
+            f"expert_parallel.expert_tensor_parallel_size: {name}'s experts have an "
+            f"intermediate size of {intermediate}, which {tp} tensor-parallel ranks cannot "
+            "split evenly; choose a size that divides it, or 1",
+            [
+                (
+                    "expert_parallel.expert_tensor_parallel_size",
+                    f"{tp} does not divide {intermediate}",
+                )
+            ],
+        )
+    w = intermediate // tp
+
+    def gate_up_slice(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+        stack = derive_gate_up(ts)
+        gate, up = stack[:, t * w : (t + 1) * w], stack[:, intermediate + t * w :][:, :w]
+        return torch.cat([gate, up], dim=1)
+
+    def down_slice(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return derive_down(ts)[..., t * w : (t + 1) * w]
+
+    return (gate_up_slice, down_slice)
+
+
 def _num_experts(layout: str, down: list[nn.Parameter]) -> int:
     return int(down[0].shape[0]) if layout == "fused" else len(down)
 
@@ -181,6 +243,13 @@ def _build_block(
         rank = dims.coordinate["ep"]
         lo, hi = rank * num_experts // ep, (rank + 1) * num_experts // ep
         derive_gate_up, derive_down = _local_weights(layout, gate_up, down, lo, hi)
+        tp_group = None
+        if config.expert_tensor_parallel_size > 1:
+            intermediate = int(derive_down([p.detach() for p in down]).shape[-1])
+            derive_gate_up, derive_down = _tp_slices(
+                derive_gate_up, derive_down, intermediate, dims, name
+            )
+            tp_group = dims.tp
         new_gate_up = aligned_expert_weight(
             derive_gate_up([p.detach() for p in gate_up]), requires_grad=gate_up[0].requires_grad
         )
@@ -208,6 +277,7 @@ def _build_block(
         shared_gate=_child(block, preset.shared_gate_attr),
         combine_impl=_combine_impl(config, new_down.device),
         score_apply="pre" if config.score_apply == "pre" else "post",
+        tp_group=tp_group,
     )
     if bias_path is not None and "." not in bias_path:
         _move_tensor(block, new_block, bias_path)
@@ -270,27 +340,58 @@ def _full_shapes(
     return [(n, _Shaped(tuple(shape_of(p)), p.dtype)) for n, p in model.named_parameters()]
 
 
+def _expert_placement(
+    swap: ParamSwap, local: tuple[int, ...], topology: Topology, expert_tp: bool
+) -> ParamPlacement:
+    """An expert stack's placement: experts ``Shard(0)`` on ``ep``; under expert TP also its
+    ``tp`` split (``gate_up``: each half's rows, ``Shard(1, (I, I))``; ``down``: its columns,
+    ``Shard(2)``). Reduced over ``dp`` either way."""
+    tp = topology.tp if expert_tp else 1
+    gate_up = swap.name.endswith("gate_up_proj")
+    split_dim = 1 if gate_up else 2
+    global_shape = [local[0] * topology.ep, *local[1:]]
+    global_shape[split_dim] *= tp
+    dtype = str(swap.new.dtype).removeprefix("torch.")
+    placement = ParamPlacement.replicated(
+        tuple(global_shape), dtype, reduce_over=Topology.expert_dp_axes
+    ).with_axis("ep", Shard(0))
+    if tp == 1:
+        return placement
+    half = global_shape[1] // 2
+    return placement.with_axis("tp", Shard(1, (half, half)) if gate_up else Shard(2))
+
+
+def _expert_map(placement: ParamPlacement, topology: Topology, axes: tuple[str, ...]) -> ShardMap:
+    """Every holder's boxes of ``placement`` over ``axes`` (rank = index in that grid, row
+    major), each rank's boxes back to back from local offset 0."""
+    pieces = []
+    sizes = [getattr(topology, a) for a in axes]
+    for rank, at in enumerate(itertools.product(*(range(n) for n in sizes))):
+        coords = {a: 0 for a in topology.axis_names} | dict(zip(axes, at, strict=True))
+        local = 0
+        for offset, box in placement.local_boxes(topology, coords):
+            pieces.append(ShardPiece(rank, offset, box, local_offset=local))
+            local += math.prod(box)
+    return ShardMap(placement.global_shape, placement.dtype, tuple(pieces), axes=axes)
+
+
 def _placements(
     model: nn.Module,
     dims: ParallelDims,
     swaps: Sequence[ParamSwap],
     partitioned: PartitionedParams | None,
+    expert_tp: bool,
 ) -> tuple[PlacementRegistry, dict[str, ShardMap]]:
-    topology, ep = dims.topology, dims.topology.ep
+    topology = dims.topology
     shapes = _full_shapes(model, partitioned)
     registry = PlacementRegistry.replicated(shapes, topology)
     local = dict(shapes)
+    axes = ("ep", "tp") if expert_tp else ("ep",)
     maps: dict[str, ShardMap] = {}
     for swap in swaps:
-        shape = local[swap.name].shape
-        global_shape = (shape[0] * ep, *shape[1:])
-        dtype = str(swap.new.dtype).removeprefix("torch.")
-        placement = ParamPlacement.replicated(
-            global_shape, dtype, reduce_over=Topology.expert_dp_axes
-        ).with_axis("ep", Shard(0))
+        placement = _expert_placement(swap, local[swap.name].shape, topology, expert_tp)
         registry.set(swap.name, placement)
-        split = ShardMap.contiguous_split(global_shape, dtype, dim=0, sizes=[int(shape[0])] * ep)
-        maps[swap.name] = ShardMap(split.global_shape, dtype, split.pieces, axes=("ep",))
+        maps[swap.name] = _expert_map(placement, topology, axes)
     return registry, maps
 
 
@@ -355,7 +456,8 @@ def parallelize_experts(
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new_block)
         blocks.append(info)
         swaps += [s for _, s in block_swaps]
-    registry, maps = _placements(model, dims, swaps, partitioned)
+    expert_tp = section.expert_tensor_parallel_size > 1
+    registry, maps = _placements(model, dims, swaps, partitioned, expert_tp)
     report = ReplacementReport(tuple(blocks), registry, maps, tuple(swaps))
     if optimizer is not None:
         remap_optimizer(optimizer, report)

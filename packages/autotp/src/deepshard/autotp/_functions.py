@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from deepshard.comm import all_gather_into_tensor, all_reduce
+from deepshard.comm import all_gather_into_tensor, all_reduce, copy_to_group
 
 __all__ = [
     "all_gather_pieces",
@@ -210,19 +210,6 @@ def column_linear(
     return out
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        summed = grad.clone()
-        all_reduce(summed, group=ctx.group)
-        return summed, None
-
-
 def copy_to_tp(x: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
     """Identity in forward; backward all-reduces the gradient over ``group``.
 
@@ -230,8 +217,7 @@ def copy_to_tp(x: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
     ``group=None`` in `column_linear`), it replaces their separate input-gradient all-reduces
     by one, in a place every rank reaches in the same order.
     """
-    out: torch.Tensor = _CopyToTP.apply(x, group)
-    return out
+    return copy_to_group(x, group=group)
 
 
 class _RowLinear(torch.autograd.Function):

@@ -24,6 +24,7 @@ from deepshard.comm.collectives import (
 from deepshard.comm.logger import CommRecord, CommsLogger, CommTiming
 from deepshard.comm.mesh import build_mesh
 from deepshard.comm.parallel_dims import ParallelDims
+from deepshard.comm.region import copy_to_group, reduce_from_group
 from deepshard.comm.watchdog import CommWatchdog, WatchedCall
 
 __all__ = [
@@ -43,7 +44,9 @@ __all__ = [
     "barrier",
     "broadcast",
     "build_mesh",
+    "copy_to_group",
     "init_distributed",
+    "reduce_from_group",
     "reduce_scatter_tensor",
     "resolve_group",
 ]

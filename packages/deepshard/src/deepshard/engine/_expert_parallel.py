@@ -32,19 +32,24 @@ computes the same expert and router gradients, so they need no ``tp`` reduction 
 placements say ``Replicate`` on ``tp``, which also makes the gradient norm count them once).
 The registry ZeRO gets is AutoTP's (dense parameters, split or whole, reduced over
 ``dp × ep × sp``) with AutoEP's expert placements (``Shard(0)`` on ``ep``, reduced over ``dp``)
-in place of the experts' (`with_expert_placements`). Expert tensor parallelism
-(``expert_tensor_parallel_size > 1``, each expert split over ``tp``) is not built: refused.
+in place of the experts' (`with_expert_placements`).
+
+**Expert tensor parallelism** (``expert_tensor_parallel_size`` = ``autotp_size``): each local
+expert is split over ``tp`` instead (`deepshard.autoep._replace`), its outputs summed over
+``tp`` before the combine; the stacks' placements then say ``Shard`` on ``tp`` too, so ZeRO
+sums their norm over ``tp`` and the checkpoint's maps span ``dp × ep × tp``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from deepshard.comm import ParallelDims
-from deepshard.interface import PlacementRegistry
+from deepshard.interface import PlacementRegistry, Replicate, Topology
 from deepshard.interface.config import DeepShardConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.zero import Repartition, sharded_module_of
@@ -74,8 +79,8 @@ def check_ep_layout(
         placements: ``initialize(placements=)``.
 
     Raises:
-        ConfigError: ``autoep_size`` differs from the mesh's ``ep``, expert tensor
-            parallelism is asked for, or a placement registry was passed.
+        ConfigError: ``autoep_size`` differs from the mesh's ``ep``, the expert tensor
+            parallel size from its ``tp``, or a placement registry was passed.
     """
     section = config.expert_parallel
     if not section.enabled:
@@ -86,12 +91,13 @@ def check_ep_layout(
             f"{dims.topology.ep}; build the mesh with Topology(ep={section.autoep_size}, ...) "
             "or pass no mesh (initialize lays the config's ep out)"
         )
-    if section.expert_tensor_parallel_size > 1:
+    etp = section.expert_tensor_parallel_size
+    if etp > 1 and etp != dims.topology.tp:
         raise ConfigError(
-            f"expert_parallel.expert_tensor_parallel_size: {section.expert_tensor_parallel_size}"
-            " (each expert split over tp) is not built yet; set it to 1: with "
-            "tensor_parallel.autotp_size > 1 the dense layers are split over tp and every tp "
-            "rank keeps its ep group's experts whole"
+            f"expert_parallel.expert_tensor_parallel_size: {etp} differs from the mesh's tp "
+            f"axis of size {dims.topology.tp}; experts are split over the ranks AutoTP splits "
+            f"the dense layers over, so set tensor_parallel.autotp_size to {etp}, or set this "
+            "to 1 (every tp rank keeps its ep group's experts whole)"
         )
     if placements is not None:
         raise ConfigError(
@@ -206,7 +212,14 @@ def apply_expert_parallel(
         if partitioned is not None:
             partitioned.finish(model, whole)
             return ExpertParallelResult(None, model_parameters, ())
-        return ExpertParallelResult(whole, model_parameters, ())
+        if section.expert_tensor_parallel_size == 1:
+            return ExpertParallelResult(whole, model_parameters, ())
+        # expert TP: the stacks stay split over tp, reduced over the dense group like the rest
+        for swap in report.swaps:
+            split = report.placements[swap.name].with_axis("ep", Replicate())
+            whole.set(swap.name, replace(split, reduce_over=Topology.dense_dp_axes))
+        names = tuple(swap.name for swap in report.swaps)
+        return ExpertParallelResult(whole, model_parameters, names)
     names = tuple(swap.name for swap in report.swaps)
     if partitioned is not None:
         partitioned.finish(model, report.placements)

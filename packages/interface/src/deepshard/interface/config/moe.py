@@ -82,7 +82,8 @@ class ExpertParallelConfig(ConfigModel):
     """Expert-parallel degree (Topology ``ep``) when enabled."""
 
     expert_tensor_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel degree inside each expert."""
+    """Tensor-parallel degree inside each expert: 1 (experts whole on every ``tp`` rank) or the
+    mesh's ``tp`` (each expert split over the same ranks as AutoTP's dense layers)."""
 
     validate_folding_routing: bool = False
     """Check at start-up that folded EP/TP groups route tokens consistently."""
@@ -216,9 +217,6 @@ def _combination_problems(section: ExpertParallelConfig) -> list[tuple[str, str]
     deepep = section.comm_backend == "deepep"
     if fused and section.score_apply == "pre":
         message = "fused_weighted_sum applies the scores itself, so needs score_apply post or auto"
-        problems.append(("combine_impl", message))
-    if fused and section.expert_tensor_parallel_size > 1:
-        message = "fused_weighted_sum needs expert_tensor_parallel_size 1 (or another combine_impl)"
         problems.append(("combine_impl", message))
     if fused and deepep and section.autoep_size > 1:
         message = 'DeepEP combines the rows itself; use comm_backend "comm" with fused_weighted_sum'

@@ -1,11 +1,13 @@
 """An AutoEP checkpoint written at EP = 2 loads at EP = 1 and EP = 4 with the same logits.
 
 Two gloo ranks train a tiny ``MixtralForCausalLM`` (4 experts, 2 per rank) through
-``initialize`` with ``expert_parallel.enabled`` at ZeRO-3 for 2 AdamW steps and save; their
-expert entries' shard maps span every ``ep`` rank's experts, so the checkpoint holds the whole
-model. One process (EP = 1, every expert) and four ranks (EP = 4, one expert each) build the
-untrained model the same way and load it; each must then give the saving run's logits on a
-fixed batch (within fp32 summation-order noise), which differ from the untrained model's.
+``initialize`` with ``expert_parallel.enabled`` for 2 AdamW steps and save; their expert
+entries' shard maps span every ``ep`` rank's experts, so the checkpoint holds the whole model.
+One process (EP = 1, every expert) and four ranks (EP = 4, one expert each) build the untrained
+model the same way and load it; each must then give the saving run's logits on a fixed batch
+(within fp32 summation-order noise), which differ from the untrained model's. Saved at ZeRO-3
+(loaded at ZeRO-3) and at ZeRO-2, where expert and dense parameters are two reduction groups of
+one flat optimizer (loaded at ZeRO-0 at EP = 1 and ZeRO-1 at EP = 4, two groups again).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def _logits(engine: Any) -> torch.Tensor:
         return engine(input_ids=ids).logits.detach().clone()
 
 
-def _save(mesh: Any, root: str) -> dict[str, Any]:
-    engine, _, _, _ = ds.initialize(_parity._model(), _parity._config(3, ep=2), mesh=mesh)
+def _save(mesh: Any, root: str, stage: int) -> dict[str, Any]:
+    engine, _, _, _ = ds.initialize(_parity._model(), _parity._config(stage, ep=2), mesh=mesh)
     untrained = _logits(engine)
     for step in range(STEPS):
         ids = _parity._batch(step, engine.parallel_dims.batch_rank)
@@ -46,10 +48,11 @@ def _save(mesh: Any, root: str) -> dict[str, Any]:
     return {"untrained": untrained, "logits": _logits(engine)}
 
 
-def _load(mesh: Any, root: str, ep: int) -> dict[str, Any]:
-    engine, _, _, _ = ds.initialize(_parity._model(), _parity._config(3, ep=ep), mesh=mesh)
+def _load(mesh: Any, root: str, ep: int, stage: int) -> dict[str, Any]:
+    engine, _, _, _ = ds.initialize(_parity._model(), _parity._config(stage, ep=ep), mesh=mesh)
     engine.load_checkpoint(root)
-    with engine.optimizer.sharded.gathered():
+    whole = engine.optimizer.sharded.gathered() if stage == 3 else torch.no_grad()
+    with whole:
         shapes = {
             n: tuple(p.shape) for n, p in engine.module.named_parameters() if ".experts." in n
         }
@@ -57,19 +60,29 @@ def _load(mesh: Any, root: str, ep: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(600)
-def test_ep2_checkpoint_loads_at_ep1_and_ep4(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("saved_at", "loads"), [(3, ((1, 3), (4, 3))), (2, ((1, 0), (4, 1)))], ids=["zero3", "zero2"]
+)
+def test_ep2_checkpoint_loads_at_ep1_and_ep4(
+    tmp_path: Path, saved_at: int, loads: tuple[tuple[int, int], ...]
+) -> None:
     root = str(tmp_path / "ckpt")
     saved = run_on_mesh(
-        _save, 2, topology=Topology(ep=2), args=(root,), store_dir=tmp_path / "s2", timeout_s=300
+        _save,
+        2,
+        topology=Topology(ep=2),
+        args=(root, saved_at),
+        store_dir=tmp_path / "s2",
+        timeout_s=300,
     )
     want = saved[0]["logits"]
     assert float((want - saved[0]["untrained"]).abs().max()) > 1e-3  # training moved them
-    for ep in (1, 4):
+    for ep, stage in loads:
         loaded = run_on_mesh(
             _load,
             ep,
             topology=Topology(ep=ep),
-            args=(root, ep),
+            args=(root, ep, stage),
             store_dir=tmp_path / f"l{ep}",
             timeout_s=300,
         )

@@ -106,6 +106,6 @@ def refuse_mixed(resident: ResidentModule, what: str) -> None:
     if resident.mixed_groups:
         raise ConfigError(
             f"{what} is not built for a model with several reduction groups (expert and dense "
-            "parameters) at ZeRO stages 0-2 yet; save and restore with state_dict() / "
-            "load_state_dict()"
+            "parameters) at ZeRO stages 0-2 yet; read and write the state through "
+            "state_shards() / load_state_shards() (what engine checkpoints use)"
         )

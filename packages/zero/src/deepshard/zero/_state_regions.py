@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepshard.interface import ShardPiece
-from deepshard.zero._resident_groups import refuse_mixed
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:
@@ -152,12 +151,9 @@ def _offload_regions(
 
 
 def flat_regions(opt: ZeroOptimizer) -> Regions:
-    """Stages 0-2: one region per param group; the model copy is the flat buffer (whole).
-
-    Raises:
-        ConfigError: The model has several reduction groups (not built here yet).
-    """
-    refuse_mixed(opt._resident, "state_shards()/load_state_shards()")
+    """Stages 0-2: one region per unit (a param group's layout, per reduction group with
+    several); the model copy is the flat buffer (whole). With several reduction groups an
+    expert unit's parameters carry their group's rank, as at stage 3."""
     offload = opt._offload
     if offload is None:
         regions = [
@@ -169,16 +165,20 @@ def flat_regions(opt: ZeroOptimizer) -> Regions:
     else:
         regions, whole, steps = _offload_regions(opt.inner, offload)
     rank = opt.partition_group.rank()
+    resident = opt._resident
     shards = iter(opt.shard_maps())
     params = []
     for g, flat in enumerate(opt._flat):
+        # an expert unit's maps are over its own group: its pieces are by that group's rank
+        group = resident.units[g].group
+        own = group.rank() if resident.mixed_groups and group is not resident.group else None
         for slot in flat.layout.slots:
             shard = next(shards)
             model = tuple(
                 flat.buffer[slot.offset + p.flat_start : slot.offset + p.stop]
-                for p in shard.shard_map.pieces_of(rank)
+                for p in shard.shard_map.pieces_of(rank if own is None else own)
             )
-            params.append(ParamPlace(shard, g, model, flat.buffer.dtype))
+            params.append(ParamPlace(shard, g, model, flat.buffer.dtype, group_rank=own))
     return Regions(regions, params, steps, offload, whole, opt._full)
 
 

@@ -39,6 +39,9 @@ def _save_in_child_killed_at(root: Path, point: str) -> None:
     pid = os.fork()
     if pid == 0:  # the child: save, and be killed by the hook
         try:
+            # the parent's OpenMP pool does not survive fork (a parallel region would wait on
+            # its threads forever): run torch's ops inline here, whatever OMP_NUM_THREADS says
+            torch.set_num_threads(1)
             save(_state(2.0), root, tag="second", hooks=_KillAt(point))
         finally:
             os._exit(3)  # reached only if the hook did not kill us

@@ -22,11 +22,13 @@ hold split layers. Transformers 5's Llama and Qwen3 attention read none of them 
 with ``-1`` and keep ``num_key_value_groups``, a ratio a KV-group split preserves). Phi-3's
 reads ``config.num_attention_heads`` at every forward to cut its fused QKV output, so such a
 block gets a view of the model config with this rank's head counts, all else read from (and
-written to) the shared config.
+written to) the shared config. Bloom builds its ALiBi bias for every head in the model's
+forward; each split attention narrows it to its own heads (a pre-hook), keeping their slopes.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +56,7 @@ __all__ = ["TPModelState", "parallelize", "tp_state"]
 
 STATE_ATTRIBUTE = "_deepshard_tp_state"
 _SPLIT = (Style.COLUMN, Style.ROW, Style.VOCAB)
+_KEY = "tensor_parallel.autotp_size"
 _Q_HEADS = ("num_heads", "num_attention_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads")
 _WIDTH = "hidden_size"
@@ -177,6 +180,54 @@ class _ReduceBlockInput:
             **kwargs,
             "hidden_states": copy_to_tp(kwargs["hidden_states"], group=self.group),
         }
+
+
+class _NarrowAlibi:
+    """A forward pre-hook: an ALiBi bias built by the model for every head (Bloom builds it
+    once, ``[batch · heads, 1, keys]``, in the model's forward) narrowed to this rank's heads
+    ``[first, first + count)``, whose slopes it must keep."""
+
+    def __init__(self, first: int, count: int, total: int) -> None:
+        self.first, self.count, self.total = first, count, total
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if "alibi" in kwargs:
+            return args, {**kwargs, "alibi": self._narrow(kwargs["alibi"])}
+        at = _ALIBI_AT
+        return (*args[:at], self._narrow(args[at]), *args[at + 1 :]), kwargs
+
+    def _narrow(self, alibi: torch.Tensor) -> torch.Tensor:
+        heads = alibi.view(-1, self.total, *alibi.shape[1:])
+        mine = heads[:, self.first : self.first + self.count]
+        return mine.reshape(-1, *alibi.shape[1:])
+
+
+_ALIBI_AT = 2
+"""Where a Bloom-style attention takes ``alibi`` positionally: after the hidden states and the
+residual."""
+
+
+def _narrow_alibi(block: nn.Module, q: LayerPlan, heads: int | None, rank: int) -> None:
+    """Narrow a block's ``alibi`` argument to this rank's heads (see `_NarrowAlibi`); ``q`` is
+    its fused, head-by-head QKV layer, ``heads`` its head count before the split."""
+    forward = inspect.signature(block.forward).parameters
+    if "alibi" not in forward or heads is None or len(q.sizes) != 1:
+        return
+    if list(forward).index("alibi") != _ALIBI_AT:
+        raise ConfigError(
+            f"{type(block).__name__} takes alibi at position {list(forward).index('alibi')}, "
+            f"not {_ALIBI_AT} as Bloom's attention does; AutoTP cannot narrow its ALiBi bias "
+            "to each rank's heads: give this model no tensor parallelism",
+            [("tensor_parallel.autotp_size", "an unknown ALiBi attention")],
+        )
+    rows = _total(q) // heads
+    ((start, length),) = q.offsets(rank)
+    if length:
+        block.register_forward_pre_hook(
+            _NarrowAlibi(start // rows, length // rows, heads), with_kwargs=True
+        )
 
 
 class _HeadlessBlock(nn.Module):
@@ -331,7 +382,11 @@ def _adjust_blocks(model: nn.Module, plan: TPPlan, tp: TPGroup, starved: set[str
         if not any(layer.style in _SPLIT for layer in layers):
             continue
         block = model.get_submodule(parent)
+        heads = next((_count(getattr(block, a, None)) for a in _Q_HEADS if hasattr(block, a)), None)
         _rewrite_heads(block, layers, tp.rank)
+        columns = [layer for layer in layers if layer.style is Style.COLUMN]
+        if columns:
+            _narrow_alibi(block, columns[0], heads, tp.rank)
         if parent not in starved:
             continue
         columns = [layer for layer in layers if layer.style is Style.COLUMN]
@@ -339,6 +394,28 @@ def _adjust_blocks(model: nn.Module, plan: TPPlan, tp: TPGroup, starved: set[str
             _set_submodule(model, parent, _HeadlessBlock(block, layers, tp))
         else:
             block.register_forward_pre_hook(_ReduceBlockInput(tp.group), with_kwargs=True)
+
+
+def _refuse_nothing_split(model: nn.Module, plan: TPPlan) -> None:
+    """A plan that splits no layer would have every TP rank compute the whole model: refused,
+    naming the layers AutoTP does not split when the model has them (transformers' ``Conv1D``
+    in GPT-2), instead of training without tensor parallelism and without a word."""
+    tp_size = plan.tp_size
+    if tp_size == 1 or any(layer.style in _SPLIT for layer in plan.layers):
+        return
+    conv = [name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    why = (
+        f"; its projections are transformers' Conv1D ({conv[0]}, ...), which AutoTP does not "
+        "split (it splits nn.Linear and nn.Embedding)"
+        if conv
+        else ""
+    )
+    raise ConfigError(
+        f"{_KEY}: AutoTP found nothing to split in {type(model).__name__}, so every one of "
+        f"the {tp_size} tensor-parallel ranks would compute the whole model{why}; set "
+        f"{_KEY} to 1, or name the layers in tensor_parallel.partition_config.layer_specs",
+        [(_KEY, "no layer to split")],
+    )
 
 
 def parallelize(
@@ -380,6 +457,7 @@ def parallelize(
     if plan is None:
         plan = make_plan(model, tp.size, config)
     _check_plan(plan, tp.size)
+    _refuse_nothing_split(model, plan)
     full_shapes = {
         name: tuple(param.shape)
         for layer in plan.layers

@@ -3,10 +3,12 @@
 A preset is the same data a user writes in ``partition_config.layer_specs``, so presets and
 user specs go through one matcher. The families are DeepSpeed's (llama, qwen2, mixtral,
 deepseek_v2, phi3, bloom, chatglm) plus qwen3, whose per-head ``q_norm``/``k_norm`` are kept
-whole with their gradients all-reduced. Fused QKV shapes come from the model's own head counts
-(``[[q, k, v], -1]``), so a GQA Phi-3 or GLM splits its q, k and v on head boundaries; every
-preset also plans the untied LM head as column-parallel with a gathered output (the training
-behaviour of DeepSpeed v0.19.7); a tied one stays whole.
+whole with their gradients all-reduced, and transformers' glm/glm4 (a fused ``gate_up_proj``,
+whose Hugging Face plan gathers and re-splits it, a style AutoTP does not apply). Fused QKV
+shapes come from the model's own head counts (``[[q, k, v], -1]``), so a GQA Phi-3 or GLM
+splits its q, k and v on head boundaries; every preset also plans the untied LM head as
+column-parallel with a gathered output (the training behaviour of DeepSpeed v0.19.7); a tied
+one stays whole.
 """
 
 from __future__ import annotations
@@ -87,6 +89,17 @@ def _phi3(meta: AutoTPMeta) -> list[TpLayerSpecConfig]:
     ]
 
 
+def _glm4(meta: AutoTPMeta) -> list[TpLayerSpecConfig]:
+    # transformers' GLM and GLM-4: the Llama attention (q/k/v with biases), a fused gate_up_proj
+    return [
+        _spec(_ATTN + r"o_proj\.weight$", "row"),
+        _spec(_ATTN + r"[qkv]_proj\.weight$"),
+        _spec(_MLP + r"down_proj\.weight$", "row"),
+        _spec(_MLP + r"gate_up_proj\.weight$", shape=[2, -1], partition_dim=0),
+        _LM_HEAD,
+    ]
+
+
 def _bloom(meta: AutoTPMeta) -> list[TpLayerSpecConfig]:
     # Bloom's query_key_value is laid out head by head: a KV-group split keeps heads whole.
     return [
@@ -121,6 +134,8 @@ PRESETS: dict[str, Callable[[AutoTPMeta], list[TpLayerSpecConfig]]] = {
     "phi3": _phi3,
     "bloom": _bloom,
     "chatglm": _chatglm,
+    "glm": _glm4,
+    "glm4": _glm4,
 }
 """Each preset's specs, built from the model's metadata."""
 

@@ -8,6 +8,8 @@ model the same way and load it; each must then give the saving run's logits on a
 (within fp32 summation-order noise), which differ from the untrained model's. Saved at ZeRO-3
 (loaded at ZeRO-3) and at ZeRO-2, where expert and dense parameters are two reduction groups of
 one flat optimizer (loaded at ZeRO-0 at EP = 1 and ZeRO-1 at EP = 4, two groups again).
+Before saving, ``safe_get_full_fp32_param`` of every parameter (gathered over its own group)
+must be the rank's parameter.
 """
 
 from __future__ import annotations
@@ -45,7 +47,18 @@ def _save(mesh: Any, root: str, stage: int) -> dict[str, Any]:
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     engine.save_checkpoint(root)
-    return {"untrained": untrained, "logits": _logits(engine)}
+    from deepshard.zero import safe_get_full_fp32_param
+
+    # every master, gathered over its own group (the experts' dp, the dense dp x ep)
+    masters = {n: safe_get_full_fp32_param(p, engine.optimizer) for n, p in _named(engine)}
+    whole = engine.optimizer.sharded.gathered() if stage == 3 else torch.no_grad()
+    with whole:
+        params = {n: p.detach().clone() for n, p in _named(engine)}
+    return {"untrained": untrained, "logits": _logits(engine), "masters": masters, "params": params}
+
+
+def _named(engine: Any) -> list[tuple[str, torch.Tensor]]:
+    return list(engine.module.named_parameters())
 
 
 def _load(mesh: Any, root: str, ep: int, stage: int) -> dict[str, Any]:
@@ -77,6 +90,10 @@ def test_ep2_checkpoint_loads_at_ep1_and_ep4(
     )
     want = saved[0]["logits"]
     assert float((want - saved[0]["untrained"]).abs().max()) > 1e-3  # training moved them
+    for rank in saved:  # fp32 training: each master is the rank's parameter (its experts)
+        assert any(".experts." in n for n in rank["masters"])
+        for name, master in rank["masters"].items():
+            torch.testing.assert_close(master, rank["params"][name], rtol=0, atol=0, msg=name)
     for ep, stage in loads:
         loaded = run_on_mesh(
             _load,

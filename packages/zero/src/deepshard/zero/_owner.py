@@ -23,7 +23,6 @@ import torch
 from deepshard.interface import ShardMap, ShardPiece
 from deepshard.interface.errors import ConfigError
 from deepshard.zero._owner_views import OwnerViews, flat_like
-from deepshard.zero._resident_groups import refuse_mixed
 from deepshard.zero._shards import ParamShard
 
 if TYPE_CHECKING:
@@ -67,7 +66,6 @@ class ZeroPartitionAccess(OwnerViews):
         }
 
     def _find(self, param: torch.Tensor) -> tuple[int, ParamShard] | None:
-        refuse_mixed(self._resident, "safe_get_*/safe_set_*")
         found = self._shard_of.get(id(param))
         if found is None and param.requires_grad:
             raise ConfigError(
@@ -86,18 +84,24 @@ class ZeroPartitionAccess(OwnerViews):
         found = self._find(param)
         return None if found is None else found[1].shard_map
 
+    def param_group(self, param: torch.Tensor) -> torch.distributed.ProcessGroup:
+        """The group ``param``'s shard map is over: its unit's (an expert's ``dp`` group when
+        the model has several reduction groups), else `partition_group`."""
+        found = self._find(param)
+        return self._group if found is None else self._resident.units[found[0]].group
+
     def _locate(self, param: torch.Tensor) -> tuple[int, list[tuple[int, int]]] | None:
         found = self._find(param)
         if found is None:
             return None
         g, shard = found
-        return g, [(p.local_offset, p.local_offset + p.numel) for p in self._pieces(shard)]
+        return g, [(p.local_offset, p.local_offset + p.numel) for p in self._pieces(shard, g)]
 
     def _grad_partition(self, index: int) -> torch.Tensor | None:
         return self._store.grad_partition(index) if self._passes.ready else None
 
-    def _pieces(self, shard: ParamShard) -> list[ShardPiece]:
-        return list(shard.shard_map.pieces_of(self._group.rank()))
+    def _pieces(self, shard: ParamShard, unit: int) -> list[ShardPiece]:
+        return list(shard.shard_map.pieces_of(self._resident.units[unit].group.rank()))
 
     def _state_slices(self, g: int, lo: int, hi: int, key: str | None) -> list[torch.Tensor]:
         """Slices of state ``key`` covering ``[lo, hi)`` of group ``g``'s master partition."""

@@ -23,14 +23,13 @@ from collections.abc import Sequence
 import torch
 
 from deepshard.comm import CommsLogger
-from deepshard.interface.errors import ConfigError
 from deepshard.zero._flat_params import FlatParams
 from deepshard.zero._placements import resolve_placements
 from deepshard.zero._resident import ResidentModule
 from deepshard.zero._shards import ParamShard, param_shards
 from deepshard.zero.layout import GatherCall
 
-__all__ = ["norm_inputs", "refresh_units", "refuse_mixed", "unit_shards"]
+__all__ = ["norm_inputs", "refresh_units", "unit_shards"]
 
 
 def unit_shards(resident: ResidentModule) -> tuple[ParamShard, ...]:
@@ -95,17 +94,3 @@ def refresh_units(
             flat.copy_from(master)
         else:
             flat.gather_from(master, calls[u], group=unit.group, logger=logger)
-
-
-def refuse_mixed(resident: ResidentModule, what: str) -> None:
-    """Raise for a path not built for several reduction groups.
-
-    Raises:
-        ConfigError: The model has several reduction groups.
-    """
-    if resident.mixed_groups:
-        raise ConfigError(
-            f"{what} is not built for a model with several reduction groups (expert and dense "
-            "parameters) at ZeRO stages 0-2 yet; read and write the state through "
-            "state_shards() / load_state_shards() (what engine checkpoints use)"
-        )

@@ -67,20 +67,20 @@ class Stage3PartitionAccess(OwnerViews):
             ) from None
 
     def param_shard_map(self, param: torch.Tensor) -> ShardMap | None:
-        """The shard map of ``param``'s fp32 master over `partition_group`; ``None`` when frozen.
+        """The shard map of ``param``'s fp32 master over its unit's group (`param_group`);
+        ``None`` when frozen.
 
         Raises:
-            ConfigError: ``param`` is trainable but not a parameter of the sharded module, or
-                the model has several reduction groups (not built for the safe_* helpers).
+            ConfigError: ``param`` is trainable but not a parameter of the sharded module.
         """
-        if self.sharded.mixed_groups:
-            raise ConfigError(
-                "safe_get_*/safe_set_* are not built for a model with several reduction groups "
-                "(expert and dense parameters) yet; read the weights inside "
-                "ShardedModule.gathered() instead"
-            )
         info = self._info(param)
         return None if info is None else info.shard.shard_map
+
+    def param_group(self, param: torch.Tensor) -> torch.distributed.ProcessGroup:
+        """The group ``param``'s shard map is over: its unit's (an expert unit's ``dp`` group
+        when the model has several reduction groups), else `partition_group`."""
+        info = self._info(param)
+        return self._group if info is None else self.sharded.units[info.unit].group
 
     def _locate(self, param: torch.Tensor) -> tuple[int, list[tuple[int, int]]] | None:
         info = self._info(param)

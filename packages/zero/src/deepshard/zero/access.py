@@ -7,8 +7,9 @@ function here takes the *owner* as well: the object that holds the parameter's p
 
 *Full* functions work on the whole tensor, in the parameter's (unpartitioned) shape: a getter
 writes this rank's pieces, per the parameter's `deepshard.interface.ShardMap`, into a zero
-tensor and sums it over the owner's group with one all-reduce (DeepSpeed's method), so **every
-rank of the group must call it, in the same order**; when every rank holds the whole parameter
+tensor and sums it over the owner's group with one all-reduce (DeepSpeed's method; an expert
+parameter's own ``dp`` group when the model has several reduction groups), so **every rank of
+the group must call it, in the same order**; when every rank holds the whole parameter
 (stage 0) there is nothing to gather and no collective. *Local* functions work on this rank's
 elements of the parameter: its pieces of the shard map back to back, as a 1-D tensor (empty
 where it holds none). Getters return fp32 copies; change values through the setters.
@@ -78,6 +79,11 @@ class PartitionedOwner(Protocol):
     @property
     def partition_group(self) -> torch.distributed.ProcessGroup:
         """The group the shard maps' ranks refer to (the full getters all-reduce over it)."""
+        ...
+
+    def param_group(self, param: torch.Tensor) -> torch.distributed.ProcessGroup:
+        """The group ``param``'s map is over: `partition_group`, or, for a model with several
+        reduction groups (experts and dense parameters), the group of ``param``'s own unit."""
         ...
 
     def param_shard_map(self, param: torch.Tensor) -> ShardMap | None:
@@ -196,6 +202,8 @@ class _Located:
     pieces: tuple[ShardPiece, ...]
     views: list[torch.Tensor] | None
     starts: dict[tuple[tuple[int, ...], tuple[int, ...]], int]
+    group: torch.distributed.ProcessGroup
+    """The group the map is over (`PartitionedOwner.param_group`)."""
     """Where each box of the map starts in the parameter's storage (0 for its one box)."""
 
     def span(self, piece: ShardPiece) -> tuple[int, int]:
@@ -211,10 +219,11 @@ def _locate(
     shard_map = owner.param_shard_map(param)
     if shard_map is None:
         return None
-    pieces = shard_map.pieces_of(owner.partition_group.rank())
+    group = owner.param_group(param)
+    pieces = shard_map.pieces_of(group.rank())
     views = owner.local_views(param, kind, key)
     shape, starts = _storage(shard_map)
-    return _Located(shard_map, shape, pieces, views, starts)
+    return _Located(shard_map, shape, pieces, views, starts, group)
 
 
 def _gather(found: _Located, owner: PartitionedOwner, device: torch.device) -> torch.Tensor:
@@ -226,9 +235,8 @@ def _gather(found: _Located, owner: PartitionedOwner, device: torch.device) -> t
         lo, hi = found.span(piece)
         full[lo:hi].copy_(local[start : start + piece.numel])
         start += piece.numel
-    group = owner.partition_group
-    if _needs_sum(found, full.numel(), group.size()):
-        all_reduce(full, group=group).wait()
+    if _needs_sum(found, full.numel(), found.group.size()):
+        all_reduce(full, group=found.group).wait()
     return full.view(found.shape)
 
 

@@ -6,7 +6,8 @@
 * Bloom: the model builds one ALiBi bias for all heads; each rank's attention must narrow it to
   its own heads (their slopes), or the shapes do not even match.
 * GPT-2: its projections are transformers' ``Conv1D``, which AutoTP does not split; rather than
-  train with every rank computing the whole model, ``initialize`` refuses, naming Conv1D.
+  run with every rank computing the whole model without a word, ``initialize`` warns, naming
+  Conv1D.
 
 `STEPS` AdamW steps at ZeRO-1, clipped at 1.0, must give the one-process reference's losses
 (dropout off, the same batch on both ranks).
@@ -68,7 +69,6 @@ def _config() -> dict[str, Any]:
 def _train(mesh: Any) -> dict[str, Any]:
     import deepshard.engine as ds
     from deepshard.autotp import AutoTPWarning
-    from deepshard.interface.errors import ConfigError
 
     out: dict[str, Any] = {}
     for kind in KINDS:
@@ -83,11 +83,10 @@ def _train(mesh: Any) -> dict[str, Any]:
             engine.step()
             losses.append(loss.item())
         out[kind] = {"losses": losses, "warnings": [str(w.message) for w in caught]}
-    try:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoTPWarning)
         ds.initialize(_model("gpt2"), _config(), mesh=mesh)
-        out["gpt2"] = "accepted"
-    except ConfigError as exc:
-        out["gpt2"] = str(exc)
+    out["gpt2"] = [str(w.message) for w in caught if issubclass(w.category, AutoTPWarning)]
     return out
 
 
@@ -106,7 +105,7 @@ def _reference(kind: str) -> list[float]:
     return losses
 
 
-def test_glm4_and_bloom_train_like_one_process_and_gpt2_is_refused(tmp_path: Path) -> None:
+def test_glm4_and_bloom_train_like_one_process_and_gpt2_is_flagged(tmp_path: Path) -> None:
     ranks = run_on_mesh(_train, 2, topology=Topology(tp=2), store_dir=tmp_path, timeout_s=300)
     for kind in KINDS:
         want = _reference(kind)
@@ -114,5 +113,6 @@ def test_glm4_and_bloom_train_like_one_process_and_gpt2_is_refused(tmp_path: Pat
             assert rank[kind]["losses"] == pytest.approx(want, rel=1e-5), kind
     for rank in ranks:
         assert any("'glm4' preset instead" in w for w in rank["glm4"]["warnings"])
-        assert "AutoTP found nothing to split in GPT2LMHeadModel" in rank["gpt2"]
-        assert "Conv1D (transformer.h.0.attn.c_attn" in rank["gpt2"]
+        (gpt2,) = [w for w in rank["gpt2"] if "found nothing to split" in w]
+        assert gpt2.startswith("AutoTP found nothing to split in GPT2LMHeadModel")
+        assert "Conv1D (transformer.h.0.attn.c_attn" in gpt2

@@ -29,6 +29,7 @@ forward; each split attention narrows it to its own heads (a pre-hook), keeping 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from deepshard.autotp._layers import TPGroup, build_layer
 from deepshard.autotp._placements import build_placements, sharded_parameters
 from deepshard.autotp._plan import make_plan
 from deepshard.autotp._plan_types import LayerPlan, Style, TPPlan
+from deepshard.autotp._warnings import AutoTPWarning
 from deepshard.comm import ParallelDims
 from deepshard.interface.config import TensorParallelConfig
 from deepshard.interface.errors import ConfigError, TopologyError
@@ -396,10 +398,11 @@ def _adjust_blocks(model: nn.Module, plan: TPPlan, tp: TPGroup, starved: set[str
             block.register_forward_pre_hook(_ReduceBlockInput(tp.group), with_kwargs=True)
 
 
-def _refuse_nothing_split(model: nn.Module, plan: TPPlan) -> None:
-    """A plan that splits no layer would have every TP rank compute the whole model: refused,
-    naming the layers AutoTP does not split when the model has them (transformers' ``Conv1D``
-    in GPT-2), instead of training without tensor parallelism and without a word."""
+def _warn_nothing_split(model: nn.Module, plan: TPPlan) -> None:
+    """A plan that splits no layer has every TP rank compute the whole model: said with an
+    `AutoTPWarning` naming the layers AutoTP does not split when the model has them
+    (transformers' ``Conv1D`` in GPT-2), instead of running without tensor parallelism and
+    without a word. (A warning, not an error: a toy model on a TP mesh is legitimate.)"""
     tp_size = plan.tp_size
     if tp_size == 1 or any(layer.style in _SPLIT for layer in plan.layers):
         return
@@ -410,11 +413,12 @@ def _refuse_nothing_split(model: nn.Module, plan: TPPlan) -> None:
         if conv
         else ""
     )
-    raise ConfigError(
-        f"{_KEY}: AutoTP found nothing to split in {type(model).__name__}, so every one of "
-        f"the {tp_size} tensor-parallel ranks would compute the whole model{why}; set "
-        f"{_KEY} to 1, or name the layers in tensor_parallel.partition_config.layer_specs",
-        [(_KEY, "no layer to split")],
+    warnings.warn(
+        f"AutoTP found nothing to split in {type(model).__name__}, so every one of the "
+        f"{tp_size} tensor-parallel ranks computes the whole model{why}; set {_KEY} to 1, or "
+        "name the layers in tensor_parallel.partition_config.layer_specs",
+        AutoTPWarning,
+        stacklevel=3,
     )
 
 
@@ -457,7 +461,7 @@ def parallelize(
     if plan is None:
         plan = make_plan(model, tp.size, config)
     _check_plan(plan, tp.size)
-    _refuse_nothing_split(model, plan)
+    _warn_nothing_split(model, plan)
     full_shapes = {
         name: tuple(param.shape)
         for layer in plan.layers

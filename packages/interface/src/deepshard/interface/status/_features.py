@@ -153,7 +153,7 @@ _IGNORED = (
     FeatureStatus(
         "expert_parallel",
         "available",
-        "AutoEP expert parallelism (engine checkpoints at ZeRO stage 3)",
+        "AutoEP expert parallelism, expert TP, engine checkpoints at ZeRO 0-3",
         "deepshard-autoep",
     ),
     FeatureStatus(

@@ -74,7 +74,7 @@ PACKAGES: tuple[PackageStatus, ...] = (
         "packages/autoep",
         "`parallelize_experts` (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3), the fp32 router, "
         "`fused_weighted_sum`, ZeRO 1-3, `Init` per layer, AutoTP on one mesh, resharding "
-        "checkpoints, DeepSpeed's classic `MoE` (available); expert TP, DeepEP (planned)",
+        "checkpoints, expert TP, DeepSpeed's classic `MoE` (available); DeepEP (planned)",
         "partial",
     ),
     PackageStatus(

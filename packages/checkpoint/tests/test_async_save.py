@@ -1,6 +1,11 @@
-"""`async_save=True` writes the same files as a synchronous save from a host snapshot, blocks
-the caller briefly, surfaces its errors at the next save, and is waited for at process exit
-(which reports a failure on stderr)."""
+"""`async_save=True` writes the same files as a synchronous save from a host snapshot, returns
+while the files are still being written, surfaces its errors at the next save, and is waited
+for at process exit (which reports a failure on stderr).
+
+That the caller is not blocked by the writing is shown without timing it (a timed assertion
+failed on a fast box: 13 ms blocked vs 26 ms for the sync save): the writer is held at its first
+save point until the caller, back from `save`, has changed the state; how long a save blocks
+is `tools/bench/checkpoint.py`'s business."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -37,24 +42,36 @@ def _metadata_without_time(root: Path) -> dict[str, object]:
     return meta
 
 
+class _HoldWriter:
+    """Holds the background writer at its first save point until released."""
+
+    def __init__(self) -> None:
+        self.release, self.held = threading.Event(), threading.Event()
+
+    def reached(self, point: str, rank: int) -> None:
+        if point == "before_files":
+            self.held.set()
+            assert self.release.wait(60), "the caller never released the writer"
+
+
 def test_same_files_as_a_sync_save_from_a_snapshot(tmp_path: Path) -> None:
     state = _state()
     original = {k: v.clone() for k, v in state.items()}
-    start = time.perf_counter()
     save(state, tmp_path / "sync", tag="t", metadata={"k": 1})
-    sync_s = time.perf_counter() - start
-    start = time.perf_counter()
-    handle = save(state, tmp_path / "async", tag="t", metadata={"k": 1}, async_save=True)
-    blocked_s = time.perf_counter() - start
+    hold = _HoldWriter()
+    handle = save(
+        state, tmp_path / "async", tag="t", metadata={"k": 1}, async_save=True, hooks=hold
+    )
+    # back from save while the writer waits: nothing of the tag is written yet
+    assert hold.held.wait(60) and not (tmp_path / "async" / "t").exists()
     state["w"].add_(1.0)  # training goes on: the checkpoint must hold the values at save time
+    hold.release.set()
     assert handle.wait() == tmp_path / "async" / "t"
     assert _digests(tmp_path / "async" / "t") == _digests(tmp_path / "sync" / "t")
     assert _metadata_without_time(tmp_path / "async") == _metadata_without_time(tmp_path / "sync")
     target = {k: torch.zeros_like(v) for k, v in original.items()}
     load(tmp_path / "async", target)
     assert all(torch.equal(target[k], original[k]) for k in original)
-    print(f"sync save {sync_s * 1e3:.1f} ms, async blocked {blocked_s * 1e3:.1f} ms")
-    assert blocked_s < sync_s / 2, (blocked_s, sync_s)
 
 
 class _Fail:

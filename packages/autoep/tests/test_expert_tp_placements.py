@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepshard.autoep._replace import _expert_map, _expert_placement
+from deepshard.autoep._expert_placements import _expert_map, _expert_placement
 from deepshard.autoep._report import ParamSwap
 from deepshard.interface import Topology
 

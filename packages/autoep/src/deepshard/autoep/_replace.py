@@ -41,8 +41,6 @@ before the next block is read; full shapes for the placements come from
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,18 +52,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from deepshard.autoep._combine import CombineImpl
 from deepshard.autoep._dispatch import AllToAllTransport
 from deepshard.autoep._ep_layer import ExpertParallelBlock
+from deepshard.autoep._expert_placements import expert_placements
 from deepshard.autoep._grouped_experts import GroupedExperts, aligned_expert_weight
 from deepshard.autoep._presets import PRESETS, MoePreset, find_preset, router_settings
 from deepshard.autoep._remap import remap_optimizer
 from deepshard.autoep._report import ParamSwap, ReplacedBlock, ReplacementReport
 from deepshard.comm import ParallelDims
 from deepshard.interface import (
-    ParamPlacement,
     PartitionedParams,
-    PlacementRegistry,
-    Shard,
-    ShardMap,
-    ShardPiece,
     Topology,
 )
 from deepshard.interface.config.moe import ExpertParallelConfig
@@ -325,76 +319,6 @@ def _move_tensor(old: nn.Module, new: nn.Module, name: str) -> None:
         new.register_buffer(name, value, persistent=persistent)
 
 
-class _Shaped:
-    """A parameter's full shape and dtype, as `PlacementRegistry.replicated` reads them."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.shape, self.dtype = shape, dtype
-
-
-def _full_shapes(
-    model: nn.Module, partitioned: PartitionedParams | None
-) -> list[tuple[str, _Shaped]]:
-    """``model.named_parameters()`` with each parameter's full shape (partitioned or not)."""
-    shape_of = partitioned.full_shape if partitioned is not None else lambda p: tuple(p.shape)
-    return [(n, _Shaped(tuple(shape_of(p)), p.dtype)) for n, p in model.named_parameters()]
-
-
-def _expert_placement(
-    swap: ParamSwap, local: tuple[int, ...], topology: Topology, expert_tp: bool
-) -> ParamPlacement:
-    """An expert stack's placement: experts ``Shard(0)`` on ``ep``; under expert TP also its
-    ``tp`` split (``gate_up``: each half's rows, ``Shard(1, (I, I))``; ``down``: its columns,
-    ``Shard(2)``). Reduced over ``dp`` either way."""
-    tp = topology.tp if expert_tp else 1
-    gate_up = swap.name.endswith("gate_up_proj")
-    split_dim = 1 if gate_up else 2
-    global_shape = [local[0] * topology.ep, *local[1:]]
-    global_shape[split_dim] *= tp
-    dtype = str(swap.new.dtype).removeprefix("torch.")
-    placement = ParamPlacement.replicated(
-        tuple(global_shape), dtype, reduce_over=Topology.expert_dp_axes
-    ).with_axis("ep", Shard(0))
-    if tp == 1:
-        return placement
-    half = global_shape[1] // 2
-    return placement.with_axis("tp", Shard(1, (half, half)) if gate_up else Shard(2))
-
-
-def _expert_map(placement: ParamPlacement, topology: Topology, axes: tuple[str, ...]) -> ShardMap:
-    """Every holder's boxes of ``placement`` over ``axes`` (rank = index in that grid, row
-    major), each rank's boxes back to back from local offset 0."""
-    pieces = []
-    sizes = [getattr(topology, a) for a in axes]
-    for rank, at in enumerate(itertools.product(*(range(n) for n in sizes))):
-        coords = {a: 0 for a in topology.axis_names} | dict(zip(axes, at, strict=True))
-        local = 0
-        for offset, box in placement.local_boxes(topology, coords):
-            pieces.append(ShardPiece(rank, offset, box, local_offset=local))
-            local += math.prod(box)
-    return ShardMap(placement.global_shape, placement.dtype, tuple(pieces), axes=axes)
-
-
-def _placements(
-    model: nn.Module,
-    dims: ParallelDims,
-    swaps: Sequence[ParamSwap],
-    partitioned: PartitionedParams | None,
-    expert_tp: bool,
-) -> tuple[PlacementRegistry, dict[str, ShardMap]]:
-    topology = dims.topology
-    shapes = _full_shapes(model, partitioned)
-    registry = PlacementRegistry.replicated(shapes, topology)
-    local = dict(shapes)
-    axes = ("ep", "tp") if expert_tp else ("ep",)
-    maps: dict[str, ShardMap] = {}
-    for swap in swaps:
-        placement = _expert_placement(swap, local[swap.name].shape, topology, expert_tp)
-        registry.set(swap.name, placement)
-        maps[swap.name] = _expert_map(placement, topology, axes)
-    return registry, maps
-
-
 def parallelize_experts(
     model: nn.Module,
     mesh_or_parallel_dims: DeviceMesh | ParallelDims,
@@ -457,7 +381,7 @@ def parallelize_experts(
         blocks.append(info)
         swaps += [s for _, s in block_swaps]
     expert_tp = section.expert_tensor_parallel_size > 1
-    registry, maps = _placements(model, dims, swaps, partitioned, expert_tp)
+    registry, maps = expert_placements(model, dims, swaps, partitioned, expert_tp)
     report = ReplacementReport(tuple(blocks), registry, maps, tuple(swaps))
     if optimizer is not None:
         remap_optimizer(optimizer, report)

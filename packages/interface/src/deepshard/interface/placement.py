@@ -37,8 +37,16 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeAlias
+from typing import Any
 
+from deepshard.interface._axis_placements import (
+    AxisPlacement,
+    FlatShard,
+    Replicate,
+    Shard,
+    axis_from_json,
+    axis_to_json,
+)
 from deepshard.interface.errors import CheckpointError, TopologyError
 from deepshard.interface.topology import Topology
 
@@ -50,57 +58,6 @@ __all__ = [
     "Replicate",
     "Shard",
 ]
-
-
-@dataclass(frozen=True)
-class Replicate:
-    """Every rank along the axis holds the same values."""
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Rank ``i`` along the axis holds the ``i``-th of equal slices along tensor dim ``dim``
-    (of each of ``parts``, for a fused weight)."""
-
-    dim: int
-    """The sliced tensor dimension (non-negative)."""
-
-    parts: tuple[int, ...] = ()
-    """Extents of the sub-parameters ``dim`` is made of, in order (``(I, I)`` for a fused
-    ``gate_up_proj``; ``(q, k, v)`` rows for a fused QKV); they add up to the dim's extent.
-    Empty (the default) means one part: the plain split."""
-
-
-@dataclass(frozen=True)
-class FlatShard:
-    """Each rank along the axis holds one row-major flat range of its box (ZeRO's partitions)."""
-
-
-AxisPlacement: TypeAlias = Replicate | Shard | FlatShard
-"""How one mesh axis shares a parameter."""
-
-_KINDS: dict[str, type[Replicate] | type[FlatShard]] = {
-    "replicate": Replicate,
-    "flat_shard": FlatShard,
-}
-
-
-def _axis_to_json(placement: AxisPlacement) -> dict[str, Any]:
-    if isinstance(placement, Shard):
-        data: dict[str, Any] = {"kind": "shard", "dim": placement.dim}
-        if placement.parts:  # absent means one part: older readers and files stay as they were
-            data["parts"] = list(placement.parts)
-        return data
-    return {"kind": "replicate" if isinstance(placement, Replicate) else "flat_shard"}
-
-
-def _axis_from_json(data: Mapping[str, Any]) -> AxisPlacement:
-    kind = data["kind"]
-    if kind == "shard":
-        return Shard(int(data["dim"]), tuple(int(n) for n in data.get("parts", ())))
-    if kind not in _KINDS:
-        raise ValueError(f"unknown placement kind {kind!r} (replicate, shard, flat_shard)")
-    return _KINDS[kind]()
 
 
 @dataclass(frozen=True)
@@ -364,7 +321,7 @@ class ParamPlacement:
             "global_shape": list(self.global_shape),
             "dtype": self.dtype,
             "axes": list(self.axes),
-            "placements": [_axis_to_json(p) for p in self.placements],
+            "placements": [axis_to_json(p) for p in self.placements],
             "reduce_over": list(self.reduce_over),
         }
         if self.sum_over:  # absent means none: older readers and files stay as they were
@@ -379,7 +336,7 @@ class ParamPlacement:
                 global_shape=tuple(int(x) for x in data["global_shape"]),
                 dtype=str(data["dtype"]),
                 axes=tuple(str(a) for a in data["axes"]),
-                placements=tuple(_axis_from_json(p) for p in data["placements"]),
+                placements=tuple(axis_from_json(p) for p in data["placements"]),
                 reduce_over=tuple(str(a) for a in data["reduce_over"]),
                 sum_over=tuple(str(a) for a in data.get("sum_over", ())),
             )

@@ -13,6 +13,7 @@ background save.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -84,6 +85,9 @@ def prepare_async_save(
     """
     plan = plan_rank(state_items(state), members_of(group).rank)
     handle = SaveHandle(Path())
+    # Waited for at exit like a background save: a daemon thread still inside torch (C++) when
+    # the interpreter finalizes makes the process abort instead of exiting.
+    atexit.register(handle._wait_at_exit)
     threading.Thread(
         target=_fill, args=(plan, handle), name="deepshard-checkpoint-prepare", daemon=True
     ).start()

@@ -197,6 +197,14 @@ class CommWatchdog:
             daemon=True,
         )
         self._thread.start()
+        # A daemon thread still inside a C++ call (a store operation) when the interpreter
+        # finalizes is ended by pthread_exit, whose forced unwinding through pybind11's noexcept
+        # GIL guards calls std::terminate: the rank dies with SIGABRT ("terminate called without
+        # an active exception") after its work is done. weakref.finalize also runs at exit,
+        # before finalization, so the thread is stopped and joined there (or when dropped).
+        self._stop_thread = weakref.finalize(
+            self, _stop_and_join, self._stop, self._thread, self.interval_s + 5.0
+        )
 
     # ---- the hot path -------------------------------------------------------------------
 
@@ -323,9 +331,13 @@ class CommWatchdog:
 
     def close(self) -> None:
         """Stop the publishing thread (idempotent); collectives may still use `wait`."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval_s + 5)
+        self._stop_thread()
+
+
+def _stop_and_join(stop: threading.Event, thread: threading.Thread, timeout_s: float) -> None:
+    stop.set()
+    if thread is not threading.current_thread():
+        thread.join(timeout=timeout_s)
 
 
 def _publish_loop(

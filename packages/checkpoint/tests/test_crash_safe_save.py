@@ -82,7 +82,7 @@ def test_flipped_byte_is_named(tmp_path: Path) -> None:
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     target = {"w": torch.zeros(256, 256), "step": torch.tensor(0)}
-    with pytest.raises(CheckpointError, match=rf"{path.name} does not match its SHA-256"):
+    with pytest.raises(CheckpointError, match=rf"{path.name} does not match its XXH3-64"):
         load(tmp_path, target)
     assert torch.equal(target["w"], torch.zeros(256, 256))  # nothing written before the check
     report = verify(tmp_path)
@@ -130,6 +130,6 @@ def test_load_checks_the_blocks_it_reads(tmp_path: Path) -> None:
     rows = ShardMap.contiguous_split((n,), "float32", dim=0, sizes=[1 << 20, n - (1 << 20)])
     load(tmp_path, {"a": ShardedTensor(head["a"], rows, 0)}, strict=False)
     assert torch.equal(head["a"], torch.ones(1 << 20))  # its blocks are intact
-    with pytest.raises(CheckpointError, match=rf"{path.name} does not match its SHA-256"):
+    with pytest.raises(CheckpointError, match=rf"{path.name} does not match its XXH3-64"):
         load(tmp_path, {"b": torch.zeros(n)}, strict=False)
     assert not verify(tmp_path).ok

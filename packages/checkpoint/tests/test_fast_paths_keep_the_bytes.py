@@ -4,7 +4,6 @@ host buffers) write, check and fill exactly the bytes the plain paths do."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 from deepshard.checkpoint import (
     ShardedTensor,
@@ -21,7 +21,7 @@ from deepshard.checkpoint import (
     prepare_async_save,
     save,
 )
-from deepshard.checkpoint._block_read import verify_blocks
+from deepshard.checkpoint._block_read import BlockDigests, verify_blocks
 from deepshard.checkpoint._file_sink import ALIGN, FileSink
 from deepshard.checkpoint._hash_threads import HashThreads
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES
@@ -80,17 +80,20 @@ def test_verify_blocks_checks_without_keeping(tmp_path: Path) -> None:
     data = os.urandom(3 * BLOCK_BYTES + 11)
     path = tmp_path / "f"
     path.write_bytes(data)
-    digests = [
-        hashlib.sha256(data[i : i + BLOCK_BYTES]).hexdigest()
-        for i in range(0, len(data), BLOCK_BYTES)
-    ]
+    # The load's digest (format 3), computed here with xxhash's own one-shot function.
+    digests = BlockDigests.xxh3(
+        [
+            xxhash.xxh3_64(data[i : i + BLOCK_BYTES]).hexdigest()
+            for i in range(0, len(data), BLOCK_BYTES)
+        ]
+    )
     with ThreadPoolExecutor(2) as pool:
         verify_blocks(path, {0, 1, 2, 3}, len(data), digests, pool)
         with open(path, "r+b") as handle:  # damage block 3, the short last one
             handle.seek(len(data) - 1)
             handle.write(bytes([data[-1] ^ 1]))
         verify_blocks(path, {0, 2}, len(data), digests, pool)  # not read: no error
-        with pytest.raises(CheckpointError, match=r"bytes \[50331648,"):
+        with pytest.raises(CheckpointError, match=r"match its XXH3-64 .*bytes \[50331648,"):
             verify_blocks(path, {1, 3}, len(data), digests, pool)
         with pytest.raises(CheckpointError, match="truncated"):
             verify_blocks(path, {3}, len(data) + BLOCK_BYTES, digests, pool)

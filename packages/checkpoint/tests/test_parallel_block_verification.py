@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepshard.checkpoint import load, load_state_dict_from_checkpoint, save, verify
-from deepshard.checkpoint._block_read import verify_blocks
+from deepshard.checkpoint._block_read import BlockDigests, verify_blocks
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES
 from deepshard.interface.errors import CheckpointError
 
@@ -36,20 +36,23 @@ def test_every_block_is_checked_on_many_threads(tmp_path: Path) -> None:
     data = bytes(range(251)) * (5 * BLOCK_BYTES // 251)
     path = tmp_path / "f"
     path.write_bytes(data)
-    digests = [
-        hashlib.sha256(data[i : i + BLOCK_BYTES]).hexdigest()
-        for i in range(0, len(data), BLOCK_BYTES)
-    ]
+    digests = BlockDigests.sha256(
+        [
+            hashlib.sha256(data[i : i + BLOCK_BYTES]).hexdigest()
+            for i in range(0, len(data), BLOCK_BYTES)
+        ]
+    )
     with ThreadPoolExecutor(4) as pool:
-        verify_blocks(path, set(range(len(digests))), len(data), digests, pool)
+        verify_blocks(path, set(range(5)), len(data), digests, pool)
         _flip(path, 2 * BLOCK_BYTES + 12345)  # block 2 of 5, hashed while others are
         verify_blocks(path, {0, 1, 3, 4}, len(data), digests, pool)
         with pytest.raises(
             CheckpointError, match=rf"f does not match .*bytes \[{2 * BLOCK_BYTES},"
         ):
-            verify_blocks(path, set(range(len(digests))), len(data), digests, pool)
+            verify_blocks(path, set(range(5)), len(data), digests, pool)
         with pytest.raises(CheckpointError, match="f does not match"):
-            verify_blocks(path, {0, 1, 2}, len(data), digests[:2], pool)  # no digest for 2
+            short = BlockDigests.sha256(digests.digests[:2])  # no digest for block 2
+            verify_blocks(path, {0, 1, 2}, len(data), short, pool)
 
 
 def test_a_middle_block_damaged_fails_the_load_and_writes_nothing(tmp_path: Path) -> None:
@@ -59,7 +62,7 @@ def test_a_middle_block_damaged_fails_the_load_and_writes_nothing(tmp_path: Path
     assert torch.equal(like["w"], weight)
     _flip(data_file, BLOCK_BYTES + 999)  # the middle block
     target = {"w": torch.full_like(weight, 7.0)}
-    with pytest.raises(CheckpointError, match=rf"{data_file.name} does not match its SHA-256"):
+    with pytest.raises(CheckpointError, match=rf"{data_file.name} does not match its XXH3-64"):
         load(tmp_path, target)
     assert bool((target["w"] == 7.0).all()), "bytes reached the target before the check"
     with pytest.raises(CheckpointError, match=rf"{data_file.name} does not match"):

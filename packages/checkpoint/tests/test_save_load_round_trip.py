@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 from deepshard.checkpoint import (
@@ -66,12 +67,15 @@ def test_files_are_standard_safetensors_and_metadata_is_complete(tmp_path: Path)
     assert torch.equal(plain["bias"], state["bias"])  # type: ignore[arg-type]
     meta = json.loads((tmp_path / "t" / "metadata.json").read_text())
     assert meta == read_metadata(tmp_path)
-    assert meta["format_version"] == 2 and meta["metadata"] == {"step": 11}
+    assert meta["format_version"] == 3 and meta["metadata"] == {"step": 11}
     assert meta["versions"]["torch"] == torch.__version__
     assert meta["files"][data_file.name]["size"] == data_file.stat().st_size
-    # Format 2: one SHA-256 per 16 MiB block (one here), the file's digest is that of the list.
+    # Formats 2-3: one SHA-256 per 16 MiB block (one here), the file's digest is that of the
+    # list; format 3 adds each block's XXH3-64, what a load checks.
     block = hashlib.sha256(data_file.read_bytes()).hexdigest()
     assert meta["files"][data_file.name]["block_sha256"] == [block]
+    fast = xxhash.xxh3_64(data_file.read_bytes()).hexdigest()
+    assert meta["files"][data_file.name]["block_xxh3"] == [fast]
     assert meta["files"][data_file.name]["sha256"] == hashlib.sha256(block.encode()).hexdigest()
     weight_map = ShardMap.from_json(meta["tensors"]["weight"]["shard_map"])
     assert weight_map.global_shape == (5, 3) and weight_map.dtype == "float32"

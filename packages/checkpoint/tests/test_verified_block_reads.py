@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from deepshard.checkpoint import ShardedTensor, load, load_state_dict_from_checkpoint, save, verify
-from deepshard.checkpoint._block_read import block_runs, read_regions, view_of
+from deepshard.checkpoint._block_read import BlockDigests, block_runs, read_regions, view_of
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES
 from deepshard.interface import ShardMap
 from deepshard.interface.errors import CheckpointError
@@ -36,10 +37,12 @@ def test_regions_are_read_once_and_checked_per_block(tmp_path: Path) -> None:
     data = bytes(range(256)) * (BLOCK_BYTES // 256 * 2 + 3)  # two blocks and a short third
     path = tmp_path / "f"
     path.write_bytes(data)
-    blocks = [
-        hashlib.sha256(data[i : i + BLOCK_BYTES]).hexdigest()
-        for i in range(0, len(data), BLOCK_BYTES)
-    ]
+    blocks = BlockDigests.sha256(
+        [
+            hashlib.sha256(data[i : i + BLOCK_BYTES]).hexdigest()
+            for i in range(0, len(data), BLOCK_BYTES)
+        ]
+    )
     with ThreadPoolExecutor(2) as pool:
         regions = read_regions(path, {0, 2}, len(data), blocks, pool)
         assert [(r.start, r.data.numel()) for r in regions] == [
@@ -57,7 +60,9 @@ def test_regions_are_read_once_and_checked_per_block(tmp_path: Path) -> None:
             view_of(regions, BLOCK_BYTES, BLOCK_BYTES + 4, torch.uint8, "f")
         _flip(path, BLOCK_BYTES + 5)  # block 1 is not read: no error
         read_regions(path, {0, 2}, len(data), blocks, pool)
-        with pytest.raises(CheckpointError, match=r"f does not match .*bytes \[16777216,"):
+        with pytest.raises(
+            CheckpointError, match=r"f does not match its SHA-256 .*bytes \[16777216,"
+        ):
             read_regions(path, {1}, len(data), blocks, pool)
 
 
@@ -85,8 +90,62 @@ def test_a_sharded_load_reads_only_its_blocks(tmp_path: Path) -> None:
     assert not target["w"].local.any()  # nothing was filled before the check failed
 
 
+def _as_format_2(tag_dir: Path) -> None:
+    """Rewrite a format-3 tag's metadata as format 2 wrote it: SHA-256 block digests only."""
+    meta_path = tag_dir / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["format_version"] = 2
+    for entry in meta["files"].values():
+        del entry["block_xxh3"]
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_format_2_checkpoints_load_checking_sha256(tmp_path: Path) -> None:
+    state = {"w": torch.randn(40, 7), "b": torch.randn(3).to(torch.bfloat16)}
+    save(state, tmp_path, tag="old")
+    _as_format_2(tmp_path / "old")
+    assert verify(tmp_path).ok
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(tmp_path, target)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    (data_file,) = (tmp_path / "old").glob("*.safetensors")
+    _flip(data_file, data_file.stat().st_size - 2)
+    assert data_file.name in " ".join(verify(tmp_path).problems)
+    with pytest.raises(CheckpointError, match=rf"{data_file.name} does not match its SHA-256"):
+        load(tmp_path, target)
+
+
+def test_loads_check_xxh3_and_verify_checks_both(tmp_path: Path) -> None:
+    state = {"w": torch.randn(40, 7)}
+    save(state, tmp_path, tag="t")
+    meta_path = tmp_path / "t" / "metadata.json"
+    saved = json.loads(meta_path.read_text())
+    ((file, entry),) = saved["files"].items()
+    data = (tmp_path / "t" / file).read_bytes()
+    assert entry["block_xxh3"] == [xxhash.xxh3_64(data).hexdigest()]  # one block here
+    # A SHA-256 list rewritten consistently (list and file digest): a load, which reads the
+    # XXH3 list, still fills; `verify`, which checks both, names the file.
+    forged = json.loads(meta_path.read_text())
+    ((_, forged_entry),) = forged["files"].items()
+    forged_entry["block_sha256"] = ["1" * 64]
+    forged_entry["sha256"] = hashlib.sha256(("1" * 64).encode()).hexdigest()
+    meta_path.write_text(json.dumps(forged))
+    target = {"w": torch.zeros(40, 7)}
+    load(tmp_path, target)
+    assert torch.equal(target["w"], state["w"])
+    assert any(file in p and "SHA-256" in p for p in verify(tmp_path).problems)
+    # A wrong XXH3 digest fails the load, naming the file and the algorithm, before any fill.
+    entry["block_xxh3"] = ["0" * 16]
+    meta_path.write_text(json.dumps(saved))
+    target = {"w": torch.zeros(40, 7)}
+    with pytest.raises(CheckpointError, match=rf"{file} does not match its XXH3-64"):
+        load(tmp_path, target)
+    assert not target["w"].any()
+    assert any(file in p and "XXH3-64" in p for p in verify(tmp_path).problems)
+
+
 def _as_format_1(tag_dir: Path) -> None:
-    """Rewrite a format-2 tag's metadata as format 1 wrote it: whole-file digests."""
+    """Rewrite a format-3 tag's metadata as format 1 wrote it: whole-file digests."""
     meta_path = tag_dir / "metadata.json"
     meta = json.loads(meta_path.read_text())
     meta["format_version"] = 1

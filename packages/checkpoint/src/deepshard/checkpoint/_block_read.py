@@ -1,11 +1,12 @@
-"""Reading the needed blocks of a data file, verified, with the hashing spread over threads.
+"""Reading the needed blocks of a data file, verified against the digests the save recorded.
 
-A save records the SHA-256 of every `BLOCK_BYTES` block of each file. A load knows, from its
-copy plan, which blocks hold bytes it will use, and checks exactly those. `verify_blocks`
-(the common path: the bytes are then read straight into their destinations) maps the file
-read-only and hashes each block from the page cache on a thread pool, several blocks at once
-(hashlib releases the GIL), while the disk reads the next ones ahead of the hashes: no buffer
-and no copy, so the check costs the hashing alone. `read_regions` (scaled pieces, casts,
+A save records two digests of every `BLOCK_BYTES` block of each file (`_safetensors_io`); a
+load checks the fast one (XXH3-64; SHA-256 for checkpoints older than format 3), given here as
+`BlockDigests`. A load knows, from its copy plan, which blocks hold bytes it will use, and
+checks exactly those. `verify_blocks` (the common path: the bytes are then read straight into
+their destinations) reads a fast digest's blocks in file order through one reused buffer, and
+hashes a slow one's from a read-only mapping on a thread pool, several blocks at once (the
+hashes release the GIL). `read_regions` (scaled pieces, casts,
 accelerator destinations) reads each run of consecutive needed blocks into one host buffer
 with a few large ``readinto`` calls and hashes each block while the next one is read; the fill
 then takes views of these buffers instead of reading the file again piece by piece.
@@ -19,17 +20,18 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, bytes_of
+from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, bytes_of, fast_digest
 from deepshard.interface.errors import CheckpointError
 
 __all__ = [
+    "BlockDigests",
     "Region",
     "block_runs",
     "read_regions",
@@ -54,6 +56,42 @@ class Region:
     data: torch.Tensor
 
 
+def _sha256(data: memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class BlockDigests:
+    """The saved digests of a file's blocks, and how to compute one.
+
+    Attributes:
+        name: The algorithm, for messages (``"XXH3-64"``, ``"SHA-256"``).
+        digests: The hex digest of each `BLOCK_BYTES` block, from the file's start.
+        compute: The hex digest of a block's bytes (must release the GIL: it runs on threads).
+        threaded: Whether `verify_blocks` hashes on a pool's threads (a digest slower than the
+            disk) or block by block in file order on the calling thread (one that is not).
+    """
+
+    name: str
+    digests: Sequence[str]
+    compute: Callable[[memoryview], str]
+    threaded: bool
+
+    @classmethod
+    def sha256(cls, digests: Sequence[str]) -> BlockDigests:
+        """Block digests in SHA-256 (``block_sha256``; what formats 1-2 load with)."""
+        return cls("SHA-256", digests, _sha256, threaded=True)
+
+    @classmethod
+    def xxh3(cls, digests: Sequence[str]) -> BlockDigests:
+        """Block digests in XXH3-64 (``block_xxh3``, format 3)."""
+        return cls("XXH3-64", digests, fast_digest, threaded=False)
+
+    def matches(self, index: int, digest: str) -> bool:
+        """Whether block ``index`` was saved with ``digest``."""
+        return index < len(self.digests) and self.digests[index] == digest
+
+
 def block_runs(blocks: set[int]) -> list[tuple[int, int]]:
     """The ``[first, last]`` index pairs of the runs of consecutive ``blocks``, in order."""
     runs: list[tuple[int, int]] = []
@@ -65,23 +103,19 @@ def block_runs(blocks: set[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _mismatch(path: Path, index: int) -> CheckpointError:
+def _mismatch(path: Path, index: int, expected: BlockDigests) -> CheckpointError:
     start = index * BLOCK_BYTES
     return CheckpointError(
-        f"{path} does not match its SHA-256 in the metadata (bytes [{start}, "
+        f"{path} does not match its {expected.name} in the metadata (bytes [{start}, "
         f"{start + BLOCK_BYTES})): it is corrupt or was modified; restore it or load another tag"
     )
-
-
-def _digest(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
 
 
 def read_regions(
     path: Path,
     blocks: set[int],
     size: int,
-    expected: Sequence[str] | None,
+    expected: BlockDigests | None,
     pool: ThreadPoolExecutor,
 ) -> list[Region]:
     """Read ``blocks`` of ``path`` (``size`` bytes long); check them against ``expected``.
@@ -116,20 +150,21 @@ def read_regions(
                         lo = (pending - first) * BLOCK_BYTES
                         if min(lo + BLOCK_BYTES, len(view)) > done:
                             break
-                        checks.append((pending, pool.submit(_digest, view[lo : lo + BLOCK_BYTES])))
+                        block = view[lo : lo + BLOCK_BYTES]
+                        checks.append((pending, pool.submit(expected.compute, block)))
                         pending += 1
                 regions.append(Region(start, data))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
     for index, future in checks:
-        if expected is None or index >= len(expected) or future.result() != expected[index]:
-            raise _mismatch(path, index)
+        if expected is not None and not expected.matches(index, future.result()):
+            raise _mismatch(path, index, expected)
     return regions
 
 
-def _hash_mapped(mapping: mmap.mmap, lo: int, hi: int) -> str:
+def _hash_mapped(mapping: mmap.mmap, lo: int, hi: int, compute: Callable[[memoryview], str]) -> str:
     with memoryview(mapping) as whole, whole[lo:hi] as part:
-        return hashlib.sha256(part).hexdigest()
+        return compute(part)
 
 
 def _map(path: Path, size: int) -> tuple[int, mmap.mmap]:
@@ -145,21 +180,52 @@ def _map(path: Path, size: int) -> tuple[int, mmap.mmap]:
         raise
 
 
+def _verify_in_order(path: Path, order: list[int], size: int, expected: BlockDigests) -> None:
+    """`verify_blocks` for a fast digest: one reused buffer, blocks read and hashed in order."""
+    buffer = torch.empty(BLOCK_BYTES, dtype=torch.uint8)
+    view = bytes_of(buffer)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for index in order:
+            lo = index * BLOCK_BYTES
+            want = min(BLOCK_BYTES, size - lo)
+            done = 0
+            while done < want:
+                got = os.preadv(fd, [view[done:want]], lo + done)
+                if not got:
+                    raise CheckpointError(f"{path} ended at byte {lo + done}: truncated")
+                done += got
+            if not expected.matches(index, expected.compute(view[:want])):
+                raise _mismatch(path, index, expected)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
+    finally:
+        os.close(fd)
+
+
 def verify_blocks(
     path: Path,
     blocks: set[int],
     size: int,
-    expected: Sequence[str],
+    expected: BlockDigests,
     pool: ThreadPoolExecutor,
 ) -> None:
     """Check ``blocks`` of ``path`` against ``expected`` without keeping them.
 
-    The file is mapped read-only and every block is hashed straight from the page cache by
-    ``pool``'s threads, several blocks at once (hashlib releases the GIL): no buffer, no copy
-    into user memory. Each hash first asks the disk for the block `_AHEAD` places after it
+    A slow digest (``expected.threaded``: SHA-256, slower than the disk) is computed from a
+    read-only mapping of the file by ``pool``'s threads, several blocks at once: no buffer, no
+    copy into user memory. Each hash first asks the disk for the block `_AHEAD` places after it
     (``posix_fadvise(WILLNEED)``, an asynchronous read), so the reads of the next blocks overlap
-    the hashing of these. The caller then reads the bytes again straight into their
-    destination, served by the page cache this check filled.
+    the hashing of these. A fast one (XXH3) is computed on this thread, block after block in
+    file order, from one reused buffer: hashing then costs next to nothing, and a single
+    sequential stream is what the disk reads fastest (2 ranks x 600 MB, medians of 6 cold
+    loads: 0.56 s against 0.78 s for the threaded mapping, 0.37 s for an unchecked load).
+    Either way the caller then reads the bytes again straight into their destination, served
+    by the page cache this check filled.
 
     Raises:
         CheckpointError: The file is short or unreadable, or a block does not match its digest.
@@ -167,8 +233,11 @@ def verify_blocks(
     order = sorted(blocks)
     if not order:
         return
-    if order[-1] >= len(expected) or order[-1] * BLOCK_BYTES >= size:
-        raise _mismatch(path, order[-1])
+    if order[-1] >= len(expected.digests) or order[-1] * BLOCK_BYTES >= size:
+        raise _mismatch(path, order[-1], expected)
+    if not expected.threaded:
+        _verify_in_order(path, order, size, expected)
+        return
     try:
         fd, mapping = _map(path, size)
     except (OSError, ValueError) as exc:
@@ -179,7 +248,8 @@ def verify_blocks(
             ahead = order[position + _AHEAD] * BLOCK_BYTES
             os.posix_fadvise(fd, ahead, BLOCK_BYTES, os.POSIX_FADV_WILLNEED)
         lo = order[position] * BLOCK_BYTES
-        return _hash_mapped(mapping, lo, min(size, lo + BLOCK_BYTES)) == expected[order[position]]
+        digest = _hash_mapped(mapping, lo, min(size, lo + BLOCK_BYTES), expected.compute)
+        return expected.matches(order[position], digest)
 
     futures: list[Future[bool]] = []
     try:
@@ -189,7 +259,7 @@ def verify_blocks(
         futures = [pool.submit(check, position) for position in range(len(order))]
         for index, future in zip(order, futures, strict=True):
             if not future.result():
-                raise _mismatch(path, index)
+                raise _mismatch(path, index, expected)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
     finally:

@@ -39,9 +39,10 @@ __all__ = [
 ]
 
 FORMAT_NAME = "deepshard-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of ``metadata.json``; readers refuse a newer one. 1: a file's ``sha256`` is the
-whole file's; 2: it is `digest_of_blocks` of its ``block_sha256`` (both still load)."""
+whole file's; 2: it is `digest_of_blocks` of its ``block_sha256``; 3: each file also lists the
+XXH3-64 of its blocks (``block_xxh3``), which loads check (all three still load)."""
 LATEST = "latest"
 METADATA = "metadata.json"
 TMP_PREFIX = ".tmp-"

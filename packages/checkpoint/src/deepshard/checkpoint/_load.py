@@ -1,9 +1,10 @@
 """``load`` into live shards (resharding on the fly) and consolidated loading in one process.
 
 A load first checks the files: every rank checks the size of every file, plans its copies,
-and checks the 16 MiB blocks holding the bytes it will use against the per-block SHA-256 the
-save recorded, reading each once and hashing it on a thread pool while the next is read
-(`_block_read`), so it verifies exactly what it uses without reading the rest; then the ranks
+and checks the 16 MiB blocks holding the bytes it will use against the per-block XXH3-64 the
+save recorded (SHA-256 before format 3), reading each once and hashing it on a thread pool
+while the next is read (`_block_read`), so it verifies exactly what it uses without reading the
+rest; then the ranks
 agree that all checks passed before anything is written into the caller's tensors. Filling
 then has two paths. A copy that is a plain byte range into CPU storage of the saved dtype (the
 common case, resharded or not) is read straight into the destination with ``preadv``: the
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from deepshard.checkpoint._block_read import (
+    BlockDigests,
     Region,
     read_regions,
     verify_blocks,
@@ -65,9 +67,9 @@ def check_file(
 ) -> None:
     """Raise `CheckpointError` naming ``path`` if it is missing, truncated or tampered with.
 
-    With ``checksum`` the whole file is read: format 1 compares its SHA-256, format 2 each
-    block's digest (on several threads; and the block list's digest, so the metadata's list is
-    checked too).
+    With ``checksum`` the whole file is read: format 1 compares its SHA-256, formats 2-3 each
+    block's SHA-256 (on several threads; and the block list's digest, so the metadata's list is
+    checked too), and format 3 each block's XXH3-64 as well (what a load checks).
     """
     try:
         size = path.stat().st_size
@@ -84,9 +86,14 @@ def check_file(
         digests = list(expected["block_sha256"])
         intact = digest_of_blocks(digests) == expected["sha256"]
         intact = intact and len(digests) == -(-size // BLOCK_BYTES)
+        fast = expected.get("block_xxh3")
+        intact = intact and (fast is None or len(fast) == len(digests))
         if intact:  # every block, hashed on several threads at once
+            every = set(range(len(digests)))
             with _pool() as pool:
-                verify_blocks(path, set(range(len(digests))), size, digests, pool)
+                verify_blocks(path, every, size, BlockDigests.sha256(digests), pool)
+                if fast is not None:  # from the page cache the first pass filled
+                    verify_blocks(path, every, size, BlockDigests.xxh3(fast), pool)
     else:
         intact = sha256_of(path).sha256 == expected["sha256"]
     if not intact:
@@ -190,22 +197,29 @@ def _needed_blocks(tag_dir: Path, tasks: list[FillTask]) -> dict[str, set[int]]:
 
 def _expected_digests(
     tag_dir: Path, meta: Mapping[str, Any], file: str, *, verify: bool
-) -> list[str] | None:
-    """The block digests to check ``file`` against (``None``: nothing to check block-wise)."""
+) -> BlockDigests | None:
+    """The block digests to check ``file`` against (``None``: nothing to check block-wise).
+
+    The XXH3-64 list where the checkpoint has one (format 3), else the SHA-256 list; either
+    way the SHA-256 list must still give the file's ``sha256`` and the lists must agree in
+    length, so an edited list is caught even where no block of it is read.
+    """
+    if not verify:
+        return None
     expected = meta["files"][file]
-    digests: list[str] | None = expected.get("block_sha256") if verify else None
-    if verify and digests is None:  # an early format-1 file without block digests
+    digests: list[str] | None = expected.get("block_sha256")
+    if digests is None:  # an early format-1 file without block digests
         check_file(tag_dir / file, expected, checksum=True, version=1)
-    elif (
-        digests is not None
-        and int(meta["format_version"]) >= 2
-        and digest_of_blocks(digests) != expected["sha256"]
+        return None
+    fast: list[str] | None = expected.get("block_xxh3")
+    if (int(meta["format_version"]) >= 2 and digest_of_blocks(digests) != expected["sha256"]) or (
+        fast is not None and len(fast) != len(digests)
     ):
         raise CheckpointError(
             f"{tag_dir / METADATA}: the block digests of {file} do not match its "
             "sha256: the metadata was modified; restore it or load another tag"
         )
-    return digests
+    return BlockDigests.sha256(digests) if fast is None else BlockDigests.xxh3(fast)
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -303,7 +317,7 @@ def load(
         tag: The tag to read; ``None`` reads the one ``latest`` names.
         group: The ranks loading; the world by default, none without ``torch.distributed``.
         strict: Refuse keys present on one side only.
-        verify_checksums: Check the SHA-256 of every block of the files this rank reads
+        verify_checksums: Check the digest of every block of the files this rank reads
             before filling anything (every file's size is always checked).
         after: A background save to wait for first (its error is raised here).
         timeout_s: Longest wait for the other ranks.
@@ -351,7 +365,7 @@ def load_state_dict_from_checkpoint(
     Args:
         path_or_dir: A tag directory, or the checkpoint directory (then ``tag`` or ``latest``).
         tag: The tag when ``path_or_dir`` is the checkpoint directory.
-        verify_checksums: Check every file's SHA-256 first.
+        verify_checksums: Check the digest of every block read first.
     """
     tag_dir = tag_dir_of(path_or_dir, tag)
     meta = read_metadata(tag_dir)

@@ -115,6 +115,7 @@ def _write_part(job: _Job) -> None:
                     "sha256": digest.sha256,
                     "size": digest.size,
                     "blocks": digest.blocks,
+                    "fast_blocks": digest.fast_blocks,
                 }
             )
             report["entry_file"].update({name: file for name, _ in entries})
@@ -168,6 +169,7 @@ def _publish_tag(job: _Job) -> Path:
             "size": f["size"],
             "block_bytes": BLOCK_BYTES,
             "block_sha256": list(f["blocks"]),
+            "block_xxh3": list(f["fast_blocks"]),
         }
         for r in reports
         for f in r["files"]

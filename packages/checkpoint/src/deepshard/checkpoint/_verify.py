@@ -1,4 +1,4 @@
-"""``verify``: every file's size and SHA-256, every tensor's coverage and entry sizes."""
+"""``verify``: every file's size and digests, every tensor's coverage and entry sizes."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--tag", help=tag_help)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    verify = sub.add_parser("verify", help="check every file's SHA-256 and each map's coverage")
+    verify = sub.add_parser("verify", help="check every file's block digests and each map's coverage")
     verify.add_argument("dir", metavar="DIR")
     verify.add_argument("--tag", help=tag_help)
 
@@ -176,7 +176,7 @@ def _verify(args: argparse.Namespace) -> int:
     report = verify(args.dir, args.tag)
     if report.ok:
         print(
-            f"OK {report.path}: {report.files_checked} file(s) match their SHA-256, "
+            f"OK {report.path}: {report.files_checked} file(s) match their digests, "
             f"{report.tensors_checked} tensors fully covered"
         )
         return 0

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--tag", help=tag_help)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    verify = sub.add_parser("verify", help="check every file's block digests and each map's coverage")
+    verify = sub.add_parser("verify", help="check every file's digests and each map's coverage")
     verify.add_argument("dir", metavar="DIR")
     verify.add_argument("--tag", help=tag_help)
 

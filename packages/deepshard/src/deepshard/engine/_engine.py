@@ -263,7 +263,8 @@ class DeepShardEngine(
         loss_scale = self.loss_scaler.scale
         if boundary:
             with self._timers.time("step"):
-                result = zero.step(loss_scale=loss_scale)
+                with self._batch_scaled_lr():  # dynamic batching: this step's sample count
+                    result = zero.step(loss_scale=loss_scale)
                 self.loss_scaler.update(result.overflow)
                 self._step_applied = not result.overflow
                 self._grad_norm = result.grad_norm

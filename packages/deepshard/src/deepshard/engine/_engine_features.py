@@ -1,4 +1,5 @@
-"""The engine's training features beyond the loop: activation checkpointing, curriculum.
+"""The engine's training features beyond the loop: activation checkpointing, curriculum,
+dynamic batching.
 
 A mixin of `DeepShardEngine`, so the engine class keeps only the loop: each feature is built
 from its config section on first use and the loop calls one method per feature.
@@ -6,33 +7,44 @@ from its config section on first use and the loop calls one method per feature.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data import Dataset
 
+from deepshard.engine._token_budget_loader import TokenBudgetLoader, dynamic_batching_loader
 from deepshard.engine.checkpointing import Checkpointer
 from deepshard.engine.curriculum import (
     CurriculumScheduler,
     curriculum_schedulers,
     truncate_to_seqlen,
 )
+from deepshard.engine.dynamic_batching import scale_lr
 from deepshard.interface.errors import ConfigError
 
 if TYPE_CHECKING:
     from deepshard.comm import ParallelDims
     from deepshard.engine._engine import EngineParts
+    from deepshard.zero import ZeroOptimizer
 
 __all__ = ["EngineFeatures"]
 
+_LOG = logging.getLogger("deepshard.engine")
+
 
 class EngineFeatures:
-    """Activation checkpointing and curriculum learning of `DeepShardEngine` (a mixin)."""
+    """Activation checkpointing, curriculum learning and dynamic batching of
+    `DeepShardEngine` (a mixin)."""
 
     module: torch.nn.Module
     parts: EngineParts
     parallel_dims: ParallelDims
     device: torch.device
+    optimizer: ZeroOptimizer | None
+    training_dataloader: Any
 
     @property
     def checkpointing(self) -> Checkpointer:
@@ -146,3 +158,73 @@ class EngineFeatures:
             if not scheduler.is_seqlen:
                 scheduler.update(step)
         return truncate_to_seqlen(args, kwargs, min(lengths)) if lengths else (args, kwargs)
+
+    # --- dynamic batching -----------------------------------------------------------------
+
+    def dynamic_batching_loader(
+        self,
+        dataset: Dataset[Any],
+        *,
+        seqlens: Sequence[int] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        filter_ids: Sequence[int] | None = None,
+    ) -> TokenBudgetLoader:
+        """This rank's loader of token-budget micro-batches (``dynamic_batching`` config).
+
+        DeepSpeed's ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed``:
+        samples are packed into groups of at most ``max_tokens`` tokens, a step consumes
+        ``train_batch_size`` groups (see `deepshard.engine.dynamic_batching`), and from then
+        on the engine scales each optimizer step's learning rate by the samples in the step it
+        served (``lr_scaling_method``); there is no second scheduler to step. The loader
+        becomes ``engine.training_dataloader``, so checkpoints store its position.
+        ``initialize(training_data=...)`` calls this when dynamic batching is on.
+
+        Args:
+            dataset: A map-style dataset.
+            seqlens: Each sample's length; else the ``metrics_path`` metric, else each
+                sample's length (a 1-D tensor, a list, or a dict's ``input_ids``).
+            collate_fn: Turns a micro-batch's list of samples into a batch.
+            filter_ids: The samples to use (all when None).
+
+        Raises:
+            ConfigError: Dynamic batching is off, the lengths cannot be had, or they do not
+                give one step.
+        """
+        dims = self.parallel_dims
+        loader = dynamic_batching_loader(
+            dataset, self.parts.config.data_efficiency, self.parts.batch,
+            rank=dims.batch_rank, ranks=dims.batch_world_size, seqlens=seqlens,
+            collate_fn=collate_fn, filter_ids=filter_ids,
+        )  # fmt: skip
+        self.training_dataloader = loader
+        return loader
+
+    @contextlib.contextmanager
+    def _batch_scaled_lr(self) -> Iterator[None]:
+        """Within: the param groups' rates scaled for the served step's sample count (dynamic
+        batching); the schedule's values are put back on exit."""
+        loader = self.training_dataloader
+        samples = (
+            loader.batch_sampler.samples_in_served_step()
+            if isinstance(loader, TokenBudgetLoader)
+            else None
+        )
+        if samples is None or self.optimizer is None:
+            yield
+            return
+        section = self.parts.config.data_efficiency.data_sampling.dynamic_batching
+        reference = self.parts.batch.train_batch_size
+        groups = self.optimizer.param_groups
+        unscaled = [group["lr"] for group in groups]
+        for group, lr in zip(groups, unscaled, strict=True):
+            group["lr"] = scale_lr(lr, samples, reference, section.lr_scaling_method)
+        if section.verbose and self.parallel_dims.rank == 0:
+            _LOG.info(
+                "dynamic batching: step of %d samples (reference %d): lr %s -> %s",
+                samples, reference, unscaled, [group["lr"] for group in groups],
+            )  # fmt: skip
+        try:
+            yield
+        finally:
+            for group, lr in zip(groups, unscaled, strict=True):
+                group["lr"] = lr

@@ -83,8 +83,12 @@ def _param_groups(engine: EngineCheckpointing) -> list[dict[str, Any]]:
 
 
 def _sampler(engine: EngineCheckpointing) -> Any:
-    sampler = getattr(engine.training_dataloader, "sampler", None)
-    return sampler if hasattr(sampler, "load_state_dict") else None
+    """The loader's resumable sampler: its batch sampler (dynamic batching) or its sampler."""
+    loader = engine.training_dataloader
+    for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        if hasattr(sampler, "load_state_dict"):
+            return sampler
+    return None
 
 
 def engine_metadata(

@@ -64,6 +64,7 @@ from deepshard.engine._profiling import StepProfiling
 from deepshard.engine._reporting import ProgressReporter, TensorBytes, tensor_bytes
 from deepshard.engine._sequence_parallel import apply_sequence_parallel, shard_loader
 from deepshard.engine._tensor_parallel import apply_tensor_parallel, check_tp_layout
+from deepshard.engine._token_budget_loader import dynamic_batching_loader
 from deepshard.engine._zero_wiring import parallel_dims, wrap_with_zero
 from deepshard.engine.loss_scaler import build_loss_scaler
 from deepshard.interface import BatchSizes, DeepShardConfig, PlacementRegistry
@@ -176,6 +177,11 @@ def _loader(
 ) -> DataLoader[Any] | None:
     if data is None:
         return None
+    if config.data_efficiency.data_sampling.dynamic_batching.enabled:
+        return dynamic_batching_loader(
+            data, config.data_efficiency, batch, rank=dims.batch_rank,
+            ranks=dims.batch_world_size, collate_fn=collate_fn,
+        )  # fmt: skip
     return build_dataloader(
         data,
         micro_batch_size=batch.train_micro_batch_size_per_gpu,

@@ -63,15 +63,13 @@ _PLANNED = (
         _ENGINE,
         When("false"),
     ),
-    *(
-        FeatureStatus(key, "planned", feature, _ENGINE, When("true"), fix=_SET_FALSE)
-        for key, feature in (
-            ("data_efficiency.data_routing.enabled", "data routing (random-LTD)"),
-            (
-                "data_efficiency.data_sampling.dynamic_batching.enabled",
-                "dynamic batching by a token budget",
-            ),
-        )
+    FeatureStatus(
+        "data_efficiency.data_routing.enabled",
+        "planned",
+        "data routing (random-LTD)",
+        _ENGINE,
+        When("true"),
+        fix=_SET_FALSE,
     ),
 )
 

@@ -148,3 +148,39 @@ def test_same_groups_as_deepspeed(order: str, max_batch_size: int | None) -> Non
     kept = [i for i in ordered][:-1]
     ours = pack_by_tokens(lengths, 40, max_batch_size=max_batch_size, order=order, filter_ids=kept)
     assert [tuple(ids) for _, ids in theirs] == ours
+
+
+def test_loader_positions_are_not_mixed_up() -> None:
+    from deepshard.engine._dataloader import ResumableSampler
+    from deepshard.engine._token_budget_loader import TokenBudgetSampler
+
+    section = DynamicBatchingConfig(enabled=True, max_tokens=10)
+    budget = TokenBudgetSampler(
+        LENGTHS, section, micro_batch_size=1, accumulation_steps=1, rank=0, ranks=1, seed=0
+    )
+    fixed = ResumableSampler(list(range(7)), num_replicas=1, rank=0)
+    with pytest.raises(ConfigError, match="fixed-size loader's"):
+        budget.load_state_dict(fixed.state_dict())
+    with pytest.raises(ConfigError, match="dynamic-batching loader's"):
+        fixed.load_state_dict(budget.state_dict())
+
+
+def test_a_position_at_the_end_of_an_epoch_resumes_with_the_next() -> None:
+    from deepshard.engine._token_budget_loader import TokenBudgetSampler
+
+    lengths = [1 + (7 * i) % 9 for i in range(40)]
+    section = DynamicBatchingConfig(enabled=True, max_tokens=12, sequence_picking_order="random")
+    sampler = TokenBudgetSampler(
+        lengths, section, micro_batch_size=1, accumulation_steps=2, rank=0, ranks=1, seed=5
+    )
+    first = list(sampler)
+    sampler.served = len(first)  # the loader delivered the whole epoch
+    state = sampler.state_dict()
+    assert state == {"epoch": 0, "groups": sampler.plan.num_steps * 2}
+    resumed = TokenBudgetSampler(
+        lengths, section, micro_batch_size=1, accumulation_steps=2, rank=0, ranks=1, seed=5
+    )
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1 and list(resumed) != first  # epoch 1: another random order
+    sampler.set_epoch(1)
+    assert list(resumed) == list(sampler)

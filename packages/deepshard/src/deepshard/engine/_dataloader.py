@@ -64,7 +64,15 @@ class ResumableSampler(DistributedSampler[Any]):
             world_sizes: ``(saved, current)`` numbers of ranks reading different samples:
                 every rank takes every ``world``-th sample of one permutation, so ``consumed``
                 per rank scales by ``saved / current`` to cover the same share of the epoch.
+
+        Raises:
+            ConfigError: ``state`` is a dynamic-batching loader's position.
         """
+        if "consumed" not in state:
+            raise ConfigError(
+                "the checkpoint's data position is a dynamic-batching loader's (groups, not "
+                "samples); load it with dynamic batching on, as it was saved"
+            )
         saved, current = world_sizes
         self.set_epoch(int(state["epoch"]))
         self._resume_at = min(int(state["consumed"]) * saved // current, self.num_samples)

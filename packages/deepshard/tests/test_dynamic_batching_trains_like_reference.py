@@ -74,6 +74,7 @@ def _config() -> dict[str, Any]:
         "train_batch_size": 4,
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+        "gradient_clipping": 0.0,  # (DeepSpeed's default is 1.0; the reference does not clip)
         "zero_optimization": {"stage": 2},
         "data_efficiency": {"data_sampling": {"dynamic_batching": SECTION}},
     }

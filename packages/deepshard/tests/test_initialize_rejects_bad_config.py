@@ -15,6 +15,12 @@ import torch
 from deepshard.testing import run_on_mesh
 
 _ADAM = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+
+
+def _ltd(**section: Any) -> dict[str, Any]:
+    return {"data_efficiency": {"data_routing": {"random_ltd": section}}}
+
+
 _BATCH = {"train_batch_size": 4}
 
 CASES: dict[str, tuple[dict[str, Any], str]] = {
@@ -174,8 +180,16 @@ def test_each_bad_config_is_a_config_error_naming_the_key(
             "tensor_parallel.autotp_size",
         ),
         (
-            {"data_efficiency": {"data_routing": {"enabled": True}}},
-            "data_efficiency.data_routing.enabled",
+            _ltd(enabled=True, layer_token_lr_schedule={"enabled": True}),
+            "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
+        ),
+        (
+            {**_ltd(enabled=True), "sequence_parallel_size": 2},
+            "data_efficiency.data_routing.random_ltd.enabled",
+        ),
+        (
+            _ltd(enabled=True, random_ltd_schedule={"min_value": 9, "max_value": 8}),
+            "data_efficiency.data_routing.random_ltd.random_ltd_schedule.min_value",
         ),
         (
             {"torch_autocast": {"enabled": True, "lower_precision_safe_modules": []}},

@@ -41,6 +41,7 @@ from deepshard.interface.errors import CheckpointError
 
 if TYPE_CHECKING:
     from deepshard.engine._engine import EngineParts
+    from deepshard.engine.random_ltd import RandomLtdScheduler
     from deepshard.zero import ZeroOptimizer
 
 __all__ = ["EngineCheckpointing"]
@@ -57,6 +58,7 @@ class EngineCheckpointing:
     optimizer: ZeroOptimizer | None
     device: torch.device
     training_dataloader: Any
+    random_ltd_scheduler: RandomLtdScheduler | None
     _pending_save: SaveHandle | None
     _save_prepared: bool
 

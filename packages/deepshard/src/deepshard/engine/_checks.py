@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from deepshard.engine._tensor_parallel import tp_config_problems
 from deepshard.engine.curriculum import curriculum_problems
+from deepshard.engine.random_ltd import random_ltd_problems
 from deepshard.interface.config import DeepShardConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.interface.status import asked_features, planned_problems
@@ -69,7 +70,8 @@ def check_engine_config(config: DeepShardConfig) -> None:
     # same words: list each problem once.
     problems = planned_problems(config) + _precision_problems(config) + zero
     problems += tp_config_problems(config)
-    problems = list(dict.fromkeys(problems + curriculum_problems(config)))
+    problems += curriculum_problems(config) + random_ltd_problems(config)
+    problems = list(dict.fromkeys(problems))
     if problems:
         raise ConfigError.from_problems(problems)
 

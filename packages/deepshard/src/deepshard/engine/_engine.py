@@ -196,6 +196,7 @@ class DeepShardEngine(
             precision.forward_context(self.device.type),
             saved_tensors,
         ):
+            self._random_ltd_update()
             args, kwargs = precision.inputs(*self._curriculum_inputs(args, kwargs))
             self._tp_inputs(args, kwargs)  # once: TP peers must get the same batch
             if self._compiled_forward is not None:

@@ -1,5 +1,5 @@
 """The engine's training features beyond the loop: activation checkpointing, curriculum,
-dynamic batching.
+dynamic batching, random-LTD.
 
 A mixin of `DeepShardEngine`, so the engine class keeps only the loop: each feature is built
 from its config section on first use and the loop calls one method per feature.
@@ -23,6 +23,13 @@ from deepshard.engine.curriculum import (
     truncate_to_seqlen,
 )
 from deepshard.engine.dynamic_batching import scale_lr
+from deepshard.engine.random_ltd import (
+    RandomLtdScheduler,
+    attach_random_ltd,
+    draw_seed,
+    find_layers,
+)
+from deepshard.interface.config import RandomLtdConfig
 from deepshard.interface.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,7 +43,7 @@ _LOG = logging.getLogger("deepshard.engine")
 
 
 class EngineFeatures:
-    """Activation checkpointing, curriculum learning and dynamic batching of
+    """Activation checkpointing, curriculum learning, dynamic batching and random-LTD of
     `DeepShardEngine` (a mixin)."""
 
     module: torch.nn.Module
@@ -228,3 +235,81 @@ class EngineFeatures:
         finally:
             for group, lr in zip(groups, unscaled, strict=True):
                 group["lr"] = lr
+
+    # --- random-LTD -----------------------------------------------------------------------
+
+    def random_ltd_enabled(self) -> bool:
+        """Whether ``data_efficiency.data_routing.random_ltd`` is enabled."""
+        return self.random_ltd_config().enabled
+
+    def random_ltd_config(self) -> RandomLtdConfig:
+        """The ``random_ltd`` config section."""
+        return self.parts.config.data_efficiency.data_routing.random_ltd
+
+    @property
+    def random_ltd_scheduler(self) -> RandomLtdScheduler | None:
+        """The kept-token schedule (None when random-LTD is off)."""
+        if not self.random_ltd_enabled():
+            return None
+        built = self.__dict__.get("_random_ltd_scheduler")
+        if built is None:
+            section = self.random_ltd_config()
+            batch = section.global_batch_size or self.parts.batch.train_batch_size
+            built = RandomLtdScheduler(section, batch)
+            self.__dict__["_random_ltd_scheduler"] = built
+        return built
+
+    def random_ltd_initialize(self, layer_type: type | None = None) -> None:
+        """Make the configured layers drop tokens (`deepshard.engine.random_ltd`).
+
+        ``initialize`` calls it when random-LTD is on; call it again with the layer class
+        when the model's layers cannot be found on their own (DeepSpeed's
+        ``convert_to_random_ltd(engine, LayerClass)`` does the same).
+
+        Args:
+            layer_type: The transformer layer class; None finds the model's layer list.
+
+        Raises:
+            ConfigError: Random-LTD is off, or the layers or ids do not fit the config.
+        """
+        section = self.random_ltd_config()
+        if not section.enabled:
+            raise ConfigError.from_problems(
+                [(section.config_key + ".enabled", "random-LTD is off; set it to true")]
+            )
+        for handle in self.__dict__.pop("_random_ltd_hooks", []):
+            handle.remove()
+        scheduler = self.random_ltd_scheduler
+        dims, accumulation = self.parallel_dims, self.parts.accumulation
+        seed = self.parts.config.data_efficiency.seed
+        self.__dict__["_random_ltd_hooks"] = attach_random_ltd(
+            find_layers(self.module, layer_type),
+            section,
+            draw_seed=lambda: draw_seed(seed, accumulation.micro_steps, dims.batch_rank),
+            kept=lambda: scheduler.get_current_seq() if scheduler is not None else None,
+        )
+
+    def _random_ltd_at_initialize(self) -> None:
+        """Hook the layers when random-LTD is on and the model's layer list is clear; else
+        leave it to `random_ltd_initialize` with the layer class (checked at the forward)."""
+        if not self.random_ltd_enabled():
+            return
+        try:
+            find_layers(self.module)
+        except ConfigError as exc:
+            _LOG.info("%s (random-LTD waits for convert_to_random_ltd)", exc)
+            return
+        self.random_ltd_initialize()
+
+    def _random_ltd_update(self) -> None:
+        """Before a training forward: move the schedule to the current global step."""
+        scheduler = self.random_ltd_scheduler
+        if scheduler is None or not self.module.training:
+            return
+        if "_random_ltd_hooks" not in self.__dict__:
+            raise ConfigError(
+                "random-LTD is on but no layer drops tokens: the model's layers were not found "
+                "at initialize; call deepshard.engine.random_ltd.convert_to_random_ltd(engine, "
+                "LayerClass) before training"
+            )
+        scheduler.update_seq(self.parts.accumulation.global_steps)

@@ -8,7 +8,9 @@ Saved under the metadata's ``"engine"`` key by `engine_metadata` and put back by
 * ``param_groups``: each inner param group's hyper-parameters (``lr``, ``betas``...), which a
   schedule or the caller may have changed since the optimizer was built;
 * ``dataloader``: the engine's data loader's epoch and samples consumed in it, per rank (a
-  load at another world size keeps the same share of the epoch's permutation);
+  load at another world size keeps the same share of the epoch's permutation), or the groups
+  consumed by a dynamic-batching loader;
+* ``random_ltd``: the random-LTD schedule's kept-token count and consumed layer-tokens;
 * ``config``, ``topology``, ``zero_stage`` and ``world_size``: for reading, not for loading;
 * ``client_state``: the JSON part of the caller's ``client_state``.
 
@@ -103,6 +105,7 @@ def engine_metadata(
     topology = parts.dims.topology
     scheduler = parts.lr_scheduler
     sampler = _sampler(engine)
+    ltd = engine.random_ltd_scheduler
     return {
         "format": FORMAT,
         "tag": tag,
@@ -118,6 +121,7 @@ def engine_metadata(
         "loss_scaler": parts.loss_scaler.state_dict(),
         "param_groups": _json_ready(_param_groups(engine), "the param groups' hyper-parameters"),
         "dataloader": None if sampler is None else sampler.state_dict(),
+        "random_ltd": None if ltd is None else ltd.state_dict(),
         "exclude_frozen_parameters": exclude_frozen,
         "client_state": client_json,
     }
@@ -164,6 +168,9 @@ def restore(
             parts.lr_scheduler.load_state_dict(saved["lr_scheduler"])
         if optimizer or scheduler:
             _restore_param_groups(engine, saved["param_groups"], lr_only=not optimizer)
+        ltd, ltd_state = engine.random_ltd_scheduler, saved.get("random_ltd")
+        if ltd is not None and ltd_state is not None:
+            ltd.load_state_dict(ltd_state)
         sampler, position = _sampler(engine), saved.get("dataloader")
         if sampler is not None and position is not None:
             scale = (saved["batch_world_size"], parts.dims.batch_world_size)

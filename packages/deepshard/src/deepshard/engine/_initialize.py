@@ -351,6 +351,7 @@ def initialize(
     )
     built = _loader(training_data, collate_fn, parsed, batch, dims)
     engine = DeepShardEngine(model, parts, compiled_forward=compiled)
+    engine._random_ltd_at_initialize()
     # the built loader's sampler position goes into checkpoints (under sp the caller iterates
     # the sequence-sharding adapter around it)
     engine.training_dataloader = built

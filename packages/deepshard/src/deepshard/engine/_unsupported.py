@@ -35,10 +35,10 @@ _PIPELINE = (
     "write the loop yourself: loss = engine(batch); engine.backward(loss); engine.step() once "
     "per micro-batch"
 )
-_DATA_ROUTING = (
-    "DeepShard does not carry random-LTD or the data post-processing hook of DeepSpeed's "
-    "data-efficiency library (the config refuses data_routing); curriculum schedules work: "
-    "engine.curriculum_difficulty(metric)"
+_DATA_POST_PROCESS = (
+    "DeepShard does not carry the data post-processing hook of DeepSpeed's data-efficiency "
+    "library; transform the batch in the loader's collate_fn (curriculum schedules: "
+    "engine.curriculum_difficulty(metric))"
 )
 _EIGENVALUE = (
     "DeepShard does not carry the Hessian eigenvalue estimator or progressive layer dropping "
@@ -146,15 +146,7 @@ _FEATURES: dict[str, str] = {
         ),
         _PIPELINE,
     ),
-    **_same(
-        (
-            "random_ltd_enabled",
-            "random_ltd_config",
-            "random_ltd_initialize",
-            "set_data_post_process_func",
-        ),
-        _DATA_ROUTING,
-    ),
+    **_same(("set_data_post_process_func",), _DATA_POST_PROCESS),
     **_same(
         (
             "eigenvalue_enabled",

@@ -64,9 +64,9 @@ _PLANNED = (
         When("false"),
     ),
     FeatureStatus(
-        "data_efficiency.data_routing.enabled",
+        "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
         "planned",
-        "data routing (random-LTD)",
+        "learning rate by consumed layer-tokens (DeepSpeed 0.19.7 refuses it too)",
         _ENGINE,
         When("true"),
         fix=_SET_FALSE,

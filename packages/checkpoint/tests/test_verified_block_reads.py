@@ -1,4 +1,4 @@
-"""Loads read and verify only the blocks they need; format-1 checkpoints still load."""
+"""Loads read and verify only the blocks they need; formats 1-2 still load (with SHA-256)."""
 
 from __future__ import annotations
 
@@ -90,31 +90,6 @@ def test_a_sharded_load_reads_only_its_blocks(tmp_path: Path) -> None:
     assert not target["w"].local.any()  # nothing was filled before the check failed
 
 
-def _as_format_2(tag_dir: Path) -> None:
-    """Rewrite a format-3 tag's metadata as format 2 wrote it: SHA-256 block digests only."""
-    meta_path = tag_dir / "metadata.json"
-    meta = json.loads(meta_path.read_text())
-    meta["format_version"] = 2
-    for entry in meta["files"].values():
-        del entry["block_xxh3"]
-    meta_path.write_text(json.dumps(meta))
-
-
-def test_format_2_checkpoints_load_checking_sha256(tmp_path: Path) -> None:
-    state = {"w": torch.randn(40, 7), "b": torch.randn(3).to(torch.bfloat16)}
-    save(state, tmp_path, tag="old")
-    _as_format_2(tmp_path / "old")
-    assert verify(tmp_path).ok
-    target = {k: torch.zeros_like(v) for k, v in state.items()}
-    load(tmp_path, target)
-    assert all(torch.equal(target[k], state[k]) for k in state)
-    (data_file,) = (tmp_path / "old").glob("*.safetensors")
-    _flip(data_file, data_file.stat().st_size - 2)
-    assert data_file.name in " ".join(verify(tmp_path).problems)
-    with pytest.raises(CheckpointError, match=rf"{data_file.name} does not match its SHA-256"):
-        load(tmp_path, target)
-
-
 def test_loads_check_xxh3_and_verify_checks_both(tmp_path: Path) -> None:
     state = {"w": torch.randn(40, 7)}
     save(state, tmp_path, tag="t")
@@ -144,20 +119,25 @@ def test_loads_check_xxh3_and_verify_checks_both(tmp_path: Path) -> None:
     assert any(file in p and "XXH3-64" in p for p in verify(tmp_path).problems)
 
 
-def _as_format_1(tag_dir: Path) -> None:
-    """Rewrite a format-3 tag's metadata as format 1 wrote it: whole-file digests."""
+def _as_older_format(tag_dir: Path, version: int) -> None:
+    """Rewrite a format-3 tag's metadata as an older format wrote it: format 2 had SHA-256 block
+    digests only; format 1 one whole-file SHA-256 and no block lists."""
     meta_path = tag_dir / "metadata.json"
     meta = json.loads(meta_path.read_text())
-    meta["format_version"] = 1
+    meta["format_version"] = version
     for file, entry in meta["files"].items():
-        entry["sha256"] = hashlib.sha256((tag_dir / file).read_bytes()).hexdigest()
+        del entry["block_xxh3"]
+        if version == 1:
+            del entry["block_sha256"]
+            entry["sha256"] = hashlib.sha256((tag_dir / file).read_bytes()).hexdigest()
     meta_path.write_text(json.dumps(meta))
 
 
-def test_format_1_checkpoints_still_load_and_verify(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_formats_load_and_verify_with_sha256(tmp_path: Path, version: int) -> None:
     state = {"w": torch.randn(40, 7), "b": torch.randn(3).to(torch.bfloat16)}
     save(state, tmp_path, tag="old")
-    _as_format_1(tmp_path / "old")
+    _as_older_format(tmp_path / "old", version)
     assert verify(tmp_path).ok
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     load(tmp_path, target)
@@ -167,7 +147,7 @@ def test_format_1_checkpoints_still_load_and_verify(tmp_path: Path) -> None:
     (data_file,) = (tmp_path / "old").glob("*.safetensors")
     _flip(data_file, data_file.stat().st_size - 2)
     assert data_file.name in " ".join(verify(tmp_path).problems)
-    with pytest.raises(CheckpointError, match=data_file.name):
+    with pytest.raises(CheckpointError, match=rf"{data_file.name} does not match its SHA-256"):
         load(tmp_path, target)
 
 

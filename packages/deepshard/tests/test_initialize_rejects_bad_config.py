@@ -91,10 +91,6 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
         {**_BATCH, "optimizer": _ADAM, "zero_optimization": {"stage": 0, "cpu_offload": True}},
         "zero_optimization.offload_optimizer",
     ),
-    "caller-marked boundaries": (
-        {**_BATCH, "optimizer": _ADAM, "managed_gradient_accumulation": False},
-        "managed_gradient_accumulation",
-    ),
     "autocast with bf16": (
         {
             **_BATCH,

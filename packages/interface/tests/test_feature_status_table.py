@@ -66,7 +66,16 @@ ASKS = [
         },
         ["fp16.fp16_master_weights_and_grads"],
     ),
-    ({"managed_gradient_accumulation": False}, ["managed_gradient_accumulation"]),
+    (
+        {
+            "data_efficiency": {
+                "data_routing": {
+                    "random_ltd": {"enabled": True, "layer_token_lr_schedule": {"enabled": True}}
+                }
+            }
+        },
+        ["data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled"],
+    ),
     ({"sparse_gradients": True}, ["sparse_gradients"]),
     (
         {
@@ -103,6 +112,15 @@ def test_what_is_not_asked_for_is_not_a_problem() -> None:
     assert planned_problems(DeepShardConfig.from_dict(honoured)) == []
     assert planned_problems(DeepShardConfig.from_dict({})) == []
     assert planned_problems(DeepShardConfig.from_dict({"zero_optimization": {"stage": 3}})) == []
+    # Wired since: caller-owned accumulation, dynamic batching, random-LTD.
+    wired = {
+        "managed_gradient_accumulation": False,
+        "data_efficiency": {
+            "data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 64}},
+            "data_routing": {"enabled": True, "random_ltd": {"enabled": True}},
+        },
+    }
+    assert planned_problems(DeepShardConfig.from_dict(wired)) == []
 
 
 def test_ignored_features_and_keys_are_what_the_user_wrote() -> None:

@@ -5,7 +5,9 @@ One ``run_on_mesh`` call on 2 ranks trains the MLP with 3 accumulation steps at 
 ``zero.backward(loss, is_boundary=...)``; plain ``loss.backward()`` after ``set_boundary`` with
 the cycle's flag; and ``zero.backward(loss)`` without a flag, which follows ``set_boundary``
 too. After a non-boundary pass ``step()`` is refused, and ``no_sync()`` wins over a standing
-true flag.
+true flag. A fourth way ends every cycle after the fact: all passes non-boundary, then
+``end_accumulation()`` (DeepSpeed's ``managed_gradient_accumulation: false``), which must give
+the same parameters; inside ``no_sync()`` it is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from deepshard.testing import import_beside, run_on_mesh
 
 _training = import_beside(__file__, "_training.py")
 GA = 3
-MODES = ("explicit", "plain", "standing")
+MODES = ("explicit", "plain", "standing", "ended")
 
 
 def _train(group: Any, rank: int, world: int, stage: int, mode: str) -> torch.Tensor:
@@ -40,6 +42,11 @@ def _train(group: Any, rank: int, world: int, stage: int, mode: str) -> torch.Te
             boundary = m == GA - 1
             if mode == "explicit":
                 zero.backward(loss, is_boundary=boundary)
+                continue
+            if mode == "ended":
+                zero.backward(loss, is_boundary=False)
+                if boundary:
+                    zero.end_accumulation()
                 continue
             zero.set_boundary(boundary)
             if mode == "plain":
@@ -65,6 +72,8 @@ def _no_sync_wins(group: Any) -> bool:
     x, y = _training.batch(0)
     with zero.no_sync():
         _training.loss_fn(model, x, y).backward()
+        with pytest.raises(CommError, match="cannot end inside no_sync"):
+            zero.end_accumulation()
     try:
         zero.step()
     except CommError:

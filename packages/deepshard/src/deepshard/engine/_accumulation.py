@@ -11,6 +11,12 @@ in ``skipped_steps``.
 A script may instead declare the boundary itself (DeepSpeed's
 ``set_gradient_accumulation_boundary``): ``override`` then replaces the counter's answer until it
 is set back to None, so ``step()`` applies an update exactly when the script said so.
+
+With ``managed_gradient_accumulation: false`` the caller owns the cycle: every ``step()`` is a
+boundary and no backward pass is (``is_boundary`` is true only while ``step()`` runs), so the
+number of micro-batches may change from step to step. Each step counts the samples of the
+backward passes it ended (``backwards`` x ``train_batch_size / gradient_accumulation_steps``),
+as DeepSpeed does.
 """
 
 from __future__ import annotations
@@ -30,11 +36,18 @@ class GradientAccumulation:
     Args:
         steps: ``gradient_accumulation_steps``.
         train_batch_size: Samples per optimizer step over all data-parallel ranks.
+        managed: ``managed_gradient_accumulation``.
     """
 
-    def __init__(self, steps: int, train_batch_size: int) -> None:
+    def __init__(self, steps: int, train_batch_size: int, *, managed: bool = True) -> None:
         self.steps = steps
         self.train_batch_size = train_batch_size
+        self.managed = managed
+        """False: the caller ends each cycle by calling ``step()``."""
+        self.stepping = False
+        """Unmanaged: ``step()`` is running (the boundary)."""
+        self.backwards = 0
+        """Backward passes since the last ``step()``."""
         self.micro_steps = 0
         """``step()`` calls so far."""
         self.global_steps = 0
@@ -48,6 +61,8 @@ class GradientAccumulation:
 
     def is_boundary(self) -> bool:
         """Whether the current micro-step (the next ``step()`` call) ends a cycle."""
+        if not self.managed:
+            return self.stepping
         if self.override is not None:
             return self.override
         return (self.micro_steps + 1) % self.steps == 0
@@ -61,10 +76,14 @@ class GradientAccumulation:
         """
         if self.is_boundary():
             self.global_steps += 1
-            self.global_samples += self.train_batch_size
+            if self.managed:
+                self.global_samples += self.train_batch_size
+            else:
+                self.global_samples += self.train_batch_size // self.steps * self.backwards
             if not applied:
                 self.skipped_steps += 1
         self.micro_steps += 1
+        self.backwards = 0
 
     def state_dict(self) -> dict[str, Any]:
         """The counters as plain JSON data."""

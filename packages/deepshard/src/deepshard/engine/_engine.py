@@ -224,6 +224,7 @@ class DeepShardEngine(
         zero = self._require_optimizer("backward")
         self.parts.reporter.add_loss(loss)
         accumulated = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        self.accumulation.backwards += 1
         with self._timers.time("backward"):
             zero.backward(
                 self.scale(accumulated),
@@ -247,6 +248,10 @@ class DeepShardEngine(
     def step(self) -> None:
         """End one micro-step; at the accumulation boundary, apply (or skip) the update.
 
+        With ``managed_gradient_accumulation: false`` every call is the boundary: it ends the
+        cycle of the backward passes since the last one (ZeRO reduces what stages 0-1
+        accumulated locally) and applies the update.
+
         Raises:
             ConfigError: The engine has no optimizer, or gradients overflow at
                 ``fp16.min_loss_scale``.
@@ -259,9 +264,29 @@ class DeepShardEngine(
                 "engine.step() was called inside engine.no_sync(); leave the block first (its "
                 "backward passes only accumulate, the step belongs to the boundary pass after it)"
             )
+        if not self.accumulation.managed:  # the caller's boundary: this call
+            zero.end_accumulation()
+            self.accumulation.stepping = True
+        loss_scale = self.loss_scaler.scale  # the scale this step's gradients carry
+        try:
+            boundary = self._step_at_boundary(zero, loss_scale)
+        finally:
+            self.accumulation.stepping = False
+        self._declare_boundary()
+        if boundary:
+            self.parts.profiling.after_step(self.global_steps - 1, self._timers.end_step())
+            self.parts.reporter.end_step(
+                step=self.global_steps,
+                lrs=self.get_lr(),
+                grad_norm=self._grad_norm,
+                loss_scale=loss_scale,
+            )
+
+    def _step_at_boundary(self, zero: ZeroOptimizer, loss_scale: float) -> bool:
+        """Apply (or skip) the update if this micro-step ends the cycle; count the micro-step.
+        Returns whether it ended the cycle."""
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
-        loss_scale = self.loss_scaler.scale
         if boundary:
             with self._timers.time("step"):
                 with self._batch_scaled_lr():  # dynamic batching: this step's sample count
@@ -274,15 +299,7 @@ class DeepShardEngine(
             if self._step_applied:
                 self._prepare_background_save()
         self.accumulation.advance(applied=self._step_applied)
-        self._declare_boundary()
-        if boundary:
-            self.parts.profiling.after_step(self.global_steps - 1, self._timers.end_step())
-            self.parts.reporter.end_step(
-                step=self.global_steps,
-                lrs=self.get_lr(),
-                grad_norm=self._grad_norm,
-                loss_scale=loss_scale,
-            )
+        return boundary
 
     def _declare_boundary(self) -> None:
         """Tell ZeRO whether the coming backward pass ends the accumulation cycle (so a plain
@@ -340,7 +357,20 @@ class DeepShardEngine(
         As DeepSpeed's: the declaration stands until changed, replacing the micro-step
         counter, so a loop can set False, run its accumulating passes, set True, run the last
         pass and call ``step()`` once. ``None`` hands the decision back to the counter.
+
+        Raises:
+            ConfigError: ``managed_gradient_accumulation`` is false (``step()`` is the boundary).
         """
+        if not self.accumulation.managed:
+            raise ConfigError.from_problems(
+                [
+                    (
+                        "managed_gradient_accumulation",
+                        "false: every step() ends the accumulation cycle, so there is no "
+                        "boundary to declare; remove the call or set the key to true",
+                    )
+                ]
+            )
         self.accumulation.override = is_boundary
         self._declare_boundary()
 

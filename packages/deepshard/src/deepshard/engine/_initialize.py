@@ -318,7 +318,9 @@ def initialize(
         lr_scheduler=schedule,
         loss_scaler=build_loss_scaler(parsed.fp16, scaled=precision.loss_scaled),
         accumulation=GradientAccumulation(
-            batch.gradient_accumulation_steps, batch.train_batch_size
+            batch.gradient_accumulation_steps,
+            batch.train_batch_size,
+            managed=parsed.managed_gradient_accumulation,
         ),
         reporter=_reporter(
             parsed,

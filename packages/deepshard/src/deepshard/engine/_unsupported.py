@@ -51,7 +51,7 @@ _SPARSE = (
 _REDUCTION = (
     "ZeRO reduces gradients itself, from backward hooks at the accumulation boundary, so there "
     "is nothing to call; use engine.no_sync() or engine.set_gradient_accumulation_boundary() "
-    "to choose when"
+    "to choose when, or managed_gradient_accumulation: false to end each cycle at step()"
 )
 _COMPILE = (
     "DeepShard does not carry DeepCompile; use engine.compile(backend=...) (plain torch.compile) "

@@ -50,6 +50,7 @@ class BackwardPasses:
         self._boundary = False
         self._ready = False
         self._count = 0
+        self._closing = False  # the pass is `close_cycle`'s empty one
         self._guard: weakref.WeakMethod[Callable[[str], None]] | None = None
 
     @property
@@ -65,6 +66,38 @@ class BackwardPasses:
     def consume(self) -> None:
         """The step (or ``zero_grad``) used the gradients; passes may start again."""
         self._ready = False
+
+    def close_cycle(self) -> None:
+        """End the accumulation cycle with an empty boundary pass: the store reduces what the
+        earlier passes accumulated (every bucket is "missing" in this pass). The pass is not
+        checked for unused parameters: it has no gradients by design.
+
+        Raises:
+            CommError: A backward pass or ``no_sync()`` is running, or the step has not
+                consumed the last boundary's gradients.
+        """
+        self._check_can_close()
+        self._run_boundary, self._closing = True, True
+        try:
+            self._begin()
+            self._end()
+        finally:
+            self._run_boundary, self._closing = None, False
+
+    def mark_ready(self) -> None:
+        """End the accumulation cycle without a boundary pass (for stores that reduce every
+        pass, whose gradients are complete after any pass).
+
+        Raises:
+            CommError: A backward pass or ``no_sync()`` is running.
+        """
+        self._check_can_close()
+        self._ready = True
+
+    def _check_can_close(self) -> None:
+        if self._open or self._no_sync_depth:
+            where = "a backward pass" if self._open else "no_sync()"
+            raise CommError(f"the accumulation cycle cannot end inside {where}")
 
     def attach(
         self, params: Sequence[Sequence[torch.Tensor]], layouts: Sequence[FlatLayout]
@@ -155,7 +188,7 @@ class BackwardPasses:
         self._open = False
         self._store.finish()
         missing = sum(count for _, count in self._store.missing())
-        if missing and not self._ignore_unused:
+        if missing and not self._ignore_unused and not self._closing:
             raise ConfigError.from_problems(
                 [
                     (

@@ -240,6 +240,18 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         """Passes inside still reduce-scatter (only partitions are kept) but end no cycle."""
         return self._no_sync()
 
+    def end_accumulation(self) -> None:
+        """As `ZeroOptimizer.end_accumulation`: every pass reduce-scattered into the gradient
+        partitions, so ending the cycle only marks them ready.
+
+        Raises:
+            CommError: A backward pass or ``no_sync()`` is running.
+        """
+        if self.sharded.in_pass or self._no_sync_depth:
+            where = "a backward pass" if self.sharded.in_pass else "no_sync()"
+            raise CommError(f"the accumulation cycle cannot end inside {where}")
+        self._ready = True
+
     # --- step -------------------------------------------------------------------------
 
     def step(  # type: ignore[override]

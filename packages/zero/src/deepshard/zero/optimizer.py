@@ -322,6 +322,26 @@ class ZeroOptimizer(
         """
         self._passes.boundary = bool(flag)
 
+    def end_accumulation(self) -> None:
+        """End the accumulation cycle now, after backward passes that were not boundaries.
+
+        For a caller that marks the boundary by stepping rather than before the last backward
+        pass (DeepSpeed's ``managed_gradient_accumulation: false``). Stages 0-1 only
+        accumulated locally, so an empty boundary pass reduces the buffer (as for a rank whose
+        parameters got no gradient in a boundary pass); stage 2 reduce-scattered every pass
+        into its partitions, which are complete as they are. Does nothing when a boundary pass
+        already ended the cycle.
+
+        Raises:
+            CommError: A backward pass or ``no_sync()`` is running.
+        """
+        if self._passes.ready:
+            return
+        if self.stage >= 2:
+            self._passes.mark_ready()
+        else:
+            self._passes.close_cycle()
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate without ending the accumulation cycle.
 

@@ -29,7 +29,8 @@ class TopLevelSettings(ConfigModel):
     """Micro-batches accumulated before each optimizer step; derived when omitted."""
 
     managed_gradient_accumulation: bool = True
-    """Let the engine decide accumulation boundaries (false: the caller marks them)."""
+    """Let the engine decide accumulation boundaries from its micro-step counter (false: every
+    ``engine.step()`` ends the cycle of the backward passes before it, however many)."""
 
     steps_per_print: int | None = Field(None, ge=1)
     """Log a progress line every this many steps; None (DeepSpeed's default) logs none."""

@@ -56,14 +56,6 @@ _PLANNED = (
         "bf16.bf16_optimizer_states", "planned", "16-bit optimizer states", _ZERO, When("true")
     ),
     FeatureStatus(
-        "managed_gradient_accumulation",
-        "planned",
-        "caller-marked accumulation boundaries (ZeRO reduces during the boundary's backward "
-        "pass, so the engine must know the boundary in advance)",
-        _ENGINE,
-        When("false"),
-    ),
-    FeatureStatus(
         "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
         "planned",
         "learning rate by consumed layer-tokens (DeepSpeed 0.19.7 refuses it too)",

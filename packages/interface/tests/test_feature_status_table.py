@@ -76,7 +76,6 @@ ASKS = [
         },
         ["data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled"],
     ),
-    ({"sparse_gradients": True}, ["sparse_gradients"]),
     (
         {
             "bf16": {
@@ -112,9 +111,11 @@ def test_what_is_not_asked_for_is_not_a_problem() -> None:
     assert planned_problems(DeepShardConfig.from_dict(honoured)) == []
     assert planned_problems(DeepShardConfig.from_dict({})) == []
     assert planned_problems(DeepShardConfig.from_dict({"zero_optimization": {"stage": 3}})) == []
-    # Wired since: caller-owned accumulation, dynamic batching, random-LTD.
+    # Wired since: caller-owned accumulation, dynamic batching, random-LTD; sparse_gradients
+    # runs (its bandwidth saving is an ignored row).
     wired = {
         "managed_gradient_accumulation": False,
+        "sparse_gradients": True,
         "data_efficiency": {
             "data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 64}},
             "data_routing": {"enabled": True, "random_ltd": {"enabled": True}},

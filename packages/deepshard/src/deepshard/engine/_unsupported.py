@@ -45,8 +45,8 @@ _EIGENVALUE = (
     "(the config refuses them); implement layer drop inside the model"
 )
 _SPARSE = (
-    "DeepShard does not reduce sparse gradients (sparse_gradients is refused); use a dense "
-    "embedding (torch.nn.Embedding(..., sparse=False))"
+    "ZeRO reduces every gradient itself, sparse ones (torch.nn.Embedding(sparse=True)) as dense "
+    "(the same result); there is nothing to call"
 )
 _REDUCTION = (
     "ZeRO reduces gradients itself, from backward hooks at the accumulation boundary, so there "

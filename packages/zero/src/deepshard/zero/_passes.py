@@ -27,7 +27,14 @@ from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._full_grad_store import SplitGradients
 from deepshard.zero.layout import FlatLayout, ParamSlot
 
-__all__ = ["BackwardPasses"]
+__all__ = ["BackwardPasses", "dense"]
+
+
+def dense(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as a strided tensor: ``torch.nn.Embedding(sparse=True)`` produces sparse
+    gradients, which go into the flat buckets (and are reduced) like any other; the sparse
+    all-gather DeepSpeed's ``sparse_gradients`` uses at stage 0 would only save bandwidth."""
+    return grad.to_dense() if grad.layout != torch.strided else grad
 
 
 class BackwardPasses:
@@ -123,7 +130,7 @@ class BackwardPasses:
         def hook(param: torch.Tensor) -> None:
             grad, param.grad = param.grad, None
             if grad is not None:
-                self.on_gradient(g, slot, grad)
+                self.on_gradient(g, slot, dense(grad))
 
         return hook
 

@@ -35,6 +35,7 @@ from deepshard.interface.errors import CommError, ConfigError
 from deepshard.zero._fetcher import Fetcher
 from deepshard.zero._gather_waits import GatherWaits
 from deepshard.zero._outside_graphs import outside_graphs
+from deepshard.zero._passes import dense
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._scheduler import BucketScheduler
 from deepshard.zero._shard_info import ShardInfo
@@ -184,7 +185,7 @@ class ShardedModule:
         if grad is None:
             return
         self._begin_pass_once()
-        self.units[index].take_grad(slot_index, grad)
+        self.units[index].take_grad(slot_index, dense(grad))
         self._arrived[index].add(slot_index)
         self._scheduler.arrived(index, slot_index)
         if len(self._arrived[index]) == len(self.units[index].trainable):

@@ -37,7 +37,6 @@ _STAGE3_KEYS = (
 )
 
 _PLANNED = (
-    FeatureStatus("sparse_gradients", "planned", "sparse embedding gradients", _ZERO, When("true")),
     FeatureStatus(
         "fp16.fp16_master_weights_and_grads",
         "planned",
@@ -66,6 +65,14 @@ _PLANNED = (
 )
 
 _IGNORED = (
+    FeatureStatus(
+        "sparse_gradients",
+        "ignored",
+        "the sparse all-gather of embedding gradients (they are reduced densely, with the same "
+        "result; sparse=True embeddings train at every stage)",
+        _ZERO,
+        When("true"),
+    ),
     FeatureStatus(
         "checkpoint.load_universal",
         "ignored",

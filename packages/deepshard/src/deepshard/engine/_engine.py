@@ -40,19 +40,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from deepshard.comm import CommsLogger, DistInfo, ParallelDims
-from deepshard.engine import _export
 from deepshard.engine._accumulation import GradientAccumulation
 from deepshard.engine._checkpointing import EngineCheckpointing
 from deepshard.engine._compile import EngineCompile
 from deepshard.engine._engine_features import EngineFeatures
 from deepshard.engine._engine_reads import EngineReads
 from deepshard.engine._engine_states import EngineStates
+from deepshard.engine._engine_weights import EngineWeights
 from deepshard.engine._generation import GenerationView, generation_context
 from deepshard.engine._precision import Precision
 from deepshard.engine._profiling import StepProfiling
@@ -62,7 +61,7 @@ from deepshard.engine._unsupported import refused_attribute_message
 from deepshard.engine.loss_scaler import LossScaler
 from deepshard.interface import BatchSizes, DeepShardConfig
 from deepshard.interface.errors import CommError, ConfigError
-from deepshard.zero import ShardedModule, Stage3Optimizer, ZeroOptimizer, offload_saved_tensors
+from deepshard.zero import ZeroOptimizer, offload_saved_tensors
 
 __all__ = ["DeepShardEngine", "EngineParts"]
 
@@ -115,7 +114,13 @@ def _check_loss(loss: Any, what: str) -> torch.Tensor:
 
 
 class DeepShardEngine(
-    EngineCheckpointing, EngineReads, EngineStates, EngineFeatures, EngineCompile, torch.nn.Module
+    EngineCheckpointing,
+    EngineReads,
+    EngineStates,
+    EngineFeatures,
+    EngineWeights,
+    EngineCompile,
+    torch.nn.Module,
 ):
     """The training engine `deepshard.engine.initialize` returns.
 
@@ -406,50 +411,3 @@ class DeepShardEngine(
         at stage 3 at most ``gather_units`` units gathered at once; the training state, modes
         and RNG are as before on exit (`deepshard.engine._generation`)."""
         return generation_context(self, gather_units=gather_units)
-
-    # --- weights out ----------------------------------------------------------------------
-
-    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
-        """The module's ``state_dict()`` without frozen parameters when asked: live tensors at
-        stages 0-2; at stage 3 gathered copies (every rank must call it)."""
-        return _export.module_state_dict(
-            self.module, exclude_frozen_parameters=exclude_frozen_parameters, sharded=self._sharded
-        )
-
-    def save_16bit_model(
-        self,
-        save_dir: str | Path,
-        save_filename: str = "pytorch_model.bin",
-        exclude_frozen_parameters: bool = False,
-    ) -> Path:
-        """Write the model's weights to one safetensors file; every rank must call it.
-
-        Rank 0 writes the module's state dict in its training dtype (16-bit under bf16/fp16);
-        DeepShard never pickles, so DeepSpeed's default name ``pytorch_model.bin`` becomes
-        ``model.safetensors`` (Hugging Face's name) and another ``.bin``/``.pt``/``.pth``/
-        ``.ckpt`` name gets the ``.safetensors`` suffix.
-
-        Args:
-            save_dir: The directory (created when missing).
-            save_filename: The file name, as in DeepSpeed.
-            exclude_frozen_parameters: Leave out parameters with ``requires_grad=False``.
-
-        Returns:
-            The written file's path (truthy, where DeepSpeed returns True).
-
-        Raises:
-            ConfigError: ``save_filename`` has another suffix.
-        """
-        return _export.save_16bit_model(
-            self.module,
-            save_dir,
-            save_filename,
-            world=self.parallel_dims.world,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-            sharded=self._sharded,
-        )
-
-    @property
-    def _sharded(self) -> ShardedModule | None:
-        """The model side at ZeRO stage 3 (parameters partitioned), else None."""
-        return self.optimizer.sharded if isinstance(self.optimizer, Stage3Optimizer) else None

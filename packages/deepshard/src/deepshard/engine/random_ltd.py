@@ -13,9 +13,9 @@ tokens skip the layer unchanged. The first and last layers always see every toke
 2. **Which tokens** (`kept_indices`): for each dropping layer and each row of the micro-batch,
    ``r`` distinct positions drawn uniformly and sorted (so a causal mask stays causal). They
    come from a generator seeded by (``data_efficiency.seed``, micro-step, layer, data-parallel
-   rank) instead of the global one: tensor-parallel peers drop the same tokens whatever their
-   global generators hold, dropout's stream is untouched, and a resumed run draws what the
-   uninterrupted one would have without restoring any generator.
+   rank) instead of torch's default one: tensor-parallel peers drop the same tokens whatever
+   their default generators hold, dropout's stream is untouched, and a resumed run draws what
+   the uninterrupted one would have without restoring any generator.
 3. **The layer** (hooks, not a wrapper module, so parameter names, ZeRO-3 units and
    checkpoints are those of the plain model): a forward pre-hook gathers the kept rows of the
    hidden states and of the layer's sequence-aligned keyword inputs (the attention mask named

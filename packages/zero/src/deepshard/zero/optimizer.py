@@ -37,7 +37,6 @@ ending a cycle (`set_boundary`, ``backward(is_boundary=)``) and passes the scale
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Iterable
 from typing import Any
@@ -57,6 +56,7 @@ from deepshard.zero._offload import build_offload, offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._optimizer_reads import ZeroReads
 from deepshard.zero._owner import ZeroPartitionAccess
+from deepshard.zero._pass_control import PassControl
 from deepshard.zero._passes import BackwardPasses
 from deepshard.zero._policy import ZeroPolicy
 from deepshard.zero._resident import (
@@ -83,7 +83,12 @@ __all__ = ["ParamShard", "StepResult", "ZeroOptimizer"]
 
 
 class ZeroOptimizer(
-    StateShardAccess, StateOffload, ZeroPartitionAccess, ZeroReads, torch.optim.Optimizer
+    PassControl,
+    StateShardAccess,
+    StateOffload,
+    ZeroPartitionAccess,
+    ZeroReads,
+    torch.optim.Optimizer,
 ):
     """Wraps ``optimizer`` so its state, master weights and (stage 2) gradients are partitioned.
 
@@ -285,70 +290,6 @@ class ZeroOptimizer(
         self._hooks = self._passes.attach(self._params, self.layouts)
         self._offloaded = {}  # the `offload_states` bookkeeping (deepshard.zero._states)
         self._passes.guard = self.check_resident
-
-    # --- backward passes ----------------------------------------------------------------
-
-    def backward(
-        self, loss: torch.Tensor, *, is_boundary: bool | None = None, retain_graph: bool = False
-    ) -> None:
-        """Run ``loss.backward()`` and reduce gradients as the stage requires.
-
-        A plain ``loss.backward()`` works as well (hooks do the work, with the flag of
-        `set_boundary`); this method adds a per-pass boundary flag and handles a rank on which
-        no parameter got a gradient.
-
-        Args:
-            loss: The (already loss-scaled) loss of one micro-batch.
-            is_boundary: Whether the optimizer steps after this pass (the last micro-step of a
-                gradient-accumulation cycle); ``None`` uses the flag of `set_boundary` (true
-                unless changed). Forced false inside `no_sync`.
-            retain_graph: Passed to ``backward``.
-
-        Raises:
-            CommError: The previous boundary's gradients were not consumed by `step` or
-                `zero_grad`.
-        """
-        self._passes.run(loss, is_boundary=is_boundary, retain_graph=retain_graph)
-
-    def set_boundary(self, flag: bool) -> None:
-        """Declare whether the following backward passes end an accumulation cycle.
-
-        The flag stands until changed (it starts true) and applies to every pass, also a plain
-        ``loss.backward()``; `backward`'s ``is_boundary`` overrides it for its own pass, and
-        `no_sync` forces false. An engine sets it after every micro-step from its counter.
-
-        Args:
-            flag: True before the backward of the last micro-step of a cycle, else False.
-        """
-        self._passes.boundary = bool(flag)
-
-    def end_accumulation(self) -> None:
-        """End the accumulation cycle now, after backward passes that were not boundaries.
-
-        For a caller that marks the boundary by stepping rather than before the last backward
-        pass (DeepSpeed's ``managed_gradient_accumulation: false``). Stages 0-1 only
-        accumulated locally, so an empty boundary pass reduces the buffer (as for a rank whose
-        parameters got no gradient in a boundary pass); stage 2 reduce-scattered every pass
-        into its partitions, which are complete as they are. Does nothing when a boundary pass
-        already ended the cycle.
-
-        Raises:
-            CommError: A backward pass or ``no_sync()`` is running.
-        """
-        if self._passes.ready:
-            return
-        if self.stage >= 2:
-            self._passes.mark_ready()
-        else:
-            self._passes.close_cycle()
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Backward passes inside accumulate without ending the accumulation cycle.
-
-        At stages 0-1 they do no communication at all; stage 2 still reduce-scatters each pass
-        (it keeps only gradient partitions) but the step stays disallowed until a boundary pass.
-        """
-        return self._passes.no_sync()
 
     # --- step ---------------------------------------------------------------------------
 

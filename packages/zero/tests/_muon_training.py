@@ -97,9 +97,13 @@ def micro_batch(
 
 
 def train_zero(
-    group: Any, *, stage: int, ga: int, steps: int = STEPS, **config: Any
+    group: Any, *, stage: int, ga: int, steps: int = STEPS, ended: bool = False, **config: Any
 ) -> dict[str, Any]:
-    """Train under ZeRO the engine's way; return the norms and the final parameters."""
+    """Train under ZeRO the engine's way; return the norms and the final parameters.
+
+    ``ended``: every pass non-boundary, each cycle ended by ``end_accumulation()`` (as with
+    ``managed_gradient_accumulation: false``).
+    """
     rank, world = group.get_rank(), group.size()
     model = _training.make_model()
     zero = wrap(model, group, stage=stage, **config)
@@ -108,7 +112,9 @@ def train_zero(
         for micro in range(ga):
             x, y = micro_batch(step, rank, world, ga, micro)
             loss = _training.loss_fn(model, x, y) / ga
-            zero.backward(loss, is_boundary=micro == ga - 1)
+            zero.backward(loss, is_boundary=not ended and micro == ga - 1)
+        if ended:
+            zero.end_accumulation()
         result = zero.step()
         assert not result.overflow
         norms.append(result.grad_norm)

@@ -7,7 +7,8 @@ the cycle's flag; and ``zero.backward(loss)`` without a flag, which follows ``se
 too. After a non-boundary pass ``step()`` is refused, and ``no_sync()`` wins over a standing
 true flag. A fourth way ends every cycle after the fact: all passes non-boundary, then
 ``end_accumulation()`` (DeepSpeed's ``managed_gradient_accumulation: false``), which must give
-the same parameters; inside ``no_sync()`` it is refused.
+the same parameters, with Muon's full groups too (they reduce only at a boundary pass, at
+stage 2 as well); inside ``no_sync()`` it is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from deepshard.interface.errors import CommError
 from deepshard.testing import import_beside, run_on_mesh
 
 _training = import_beside(__file__, "_training.py")
+_muon_training = import_beside(__file__, "_muon_training.py")
 GA = 3
 MODES = ("explicit", "plain", "standing", "ended")
 
@@ -88,6 +90,12 @@ def _run(mesh: Any) -> dict[Any, Any]:
     for stage in (0, 1, 2):
         for mode in MODES:
             out[(stage, mode)] = _train(group, rank, world, stage, mode)
+        # Muon's full groups reduce only at a boundary pass, at stage 2 too: ending the cycle
+        # must still run one for them.
+        for ended in (False, True):
+            out[(stage, "muon", ended)] = _muon_training.train_zero(
+                group, stage=stage, ga=GA, steps=2, ended=ended
+            )["params"]
     return out
 
 
@@ -99,3 +107,5 @@ def test_plain_backward_follows_the_standing_flag(tmp_path: Path) -> None:
             explicit = results[(stage, "explicit")]
             for mode in MODES[1:]:
                 assert torch.equal(results[(stage, mode)], explicit), (stage, mode)
+            muon = zip(results[(stage, "muon", False)], results[(stage, "muon", True)], strict=True)
+            assert all(torch.equal(a, b) for a, b in muon), stage

@@ -277,14 +277,17 @@ class EngineFeatures:
             raise ConfigError.from_problems(
                 [(section.config_key + ".enabled", "random-LTD is off; set it to true")]
             )
+        self._hook_random_ltd(find_layers(self.module, layer_type))
+
+    def _hook_random_ltd(self, layers: list[torch.nn.Module]) -> None:
         for handle in self.__dict__.pop("_random_ltd_hooks", []):
             handle.remove()
         scheduler = self.random_ltd_scheduler
         dims, accumulation = self.parallel_dims, self.parts.accumulation
         seed = self.parts.config.data_efficiency.seed
         self.__dict__["_random_ltd_hooks"] = attach_random_ltd(
-            find_layers(self.module, layer_type),
-            section,
+            layers,
+            self.random_ltd_config(),
             draw_seed=lambda: draw_seed(seed, accumulation.micro_steps, dims.batch_rank),
             kept=lambda: scheduler.get_current_seq() if scheduler is not None else None,
         )
@@ -295,11 +298,11 @@ class EngineFeatures:
         if not self.random_ltd_enabled():
             return
         try:
-            find_layers(self.module)
+            layers = find_layers(self.module)
         except ConfigError as exc:
             _LOG.info("%s (random-LTD waits for convert_to_random_ltd)", exc)
             return
-        self.random_ltd_initialize()
+        self._hook_random_ltd(layers)
 
     def _random_ltd_update(self) -> None:
         """Before a training forward: move the schedule to the current global step."""

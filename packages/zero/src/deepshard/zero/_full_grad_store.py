@@ -184,6 +184,12 @@ class SplitGradients:
         """The ordinary store's settings (the reduction arithmetic is the same for both)."""
         return self.ordinary.settings
 
+    @property
+    def reduces_every_pass(self) -> bool:
+        """Whether both stores reduce at every pass (the full groups' store never does: it
+        all-reduces its buffer at the boundary)."""
+        return all(store.reduces_every_pass for store in self._stores)
+
     def begin(self, *, boundary: bool) -> None:
         """Start a backward pass in both stores."""
         for store in self._stores:

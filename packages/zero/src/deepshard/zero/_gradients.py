@@ -162,6 +162,10 @@ class GradientStore(ABC):
         self.solo = [resolve_group(settings.group_of(g)).size() == 1 for g in range(len(layouts))]
         """Per layout: its group is one rank, so its gradients are never reduced."""
 
+    reduces_every_pass = False
+    """Whether every pass reduces into the partitions (else only the boundary pass does, and a
+    cycle that ended without one needs an empty boundary pass: `BackwardPasses.close_cycle`)."""
+
     @abstractmethod
     def begin(self, *, boundary: bool) -> None:
         """Start a backward pass; ``boundary`` says whether the optimizer steps after it."""

@@ -60,6 +60,8 @@ class PartitionedGradients(GradientStore):
         self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._gaps = [[_padding(layout, b) for b in layout.buckets] for layout in self.layouts]
 
+    reduces_every_pass = True
+
     def begin(self, *, boundary: bool) -> None:
         self.scheduler.begin(reducing=True)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepshard.zero._full_grad_store import SplitGradients
 from deepshard.zero._passes import BackwardPasses
 
 __all__ = ["PassControl"]
@@ -20,6 +21,7 @@ class PassControl:
     """`ZeroOptimizer`'s backward-pass controls (a mixin)."""
 
     _passes: BackwardPasses
+    _store: SplitGradients
 
     if TYPE_CHECKING:
 
@@ -65,18 +67,19 @@ class PassControl:
         """End the accumulation cycle now, after backward passes that were not boundaries.
 
         For a caller that marks the boundary by stepping rather than before the last backward
-        pass (DeepSpeed's ``managed_gradient_accumulation: false``). Stages 0-1 only
-        accumulated locally, so an empty boundary pass reduces the buffer (as for a rank whose
-        parameters got no gradient in a boundary pass); stage 2 reduce-scattered every pass
-        into its partitions, which are complete as they are. Does nothing when a boundary pass
-        already ended the cycle.
+        pass (DeepSpeed's ``managed_gradient_accumulation: false``). Stages 0-1, and Muon's
+        full groups at every stage, only accumulated locally, so an empty boundary pass reduces
+        their buffers (as for a rank whose parameters got no gradient in a boundary pass);
+        stage 2's ordinary groups reduce-scattered every pass into their partitions, so when
+        they are all there is, the gradients are complete as they are (the store says which:
+        ``reduces_every_pass``). Does nothing when a boundary pass already ended the cycle.
 
         Raises:
             CommError: A backward pass or ``no_sync()`` is running.
         """
         if self._passes.ready:
             return
-        if self.stage >= 2:
+        if self._store.reduces_every_pass:
             self._passes.mark_ready()
         else:
             self._passes.close_cycle()

@@ -5,6 +5,9 @@ Both rows start from the same seeded weights and read the same per-rank batches:
 * ``hf-ddp``: the unreplaced ``MixtralForCausalLM`` (transformers' own experts forward:
   in transformers 5 a grouped matrix multiply, ``torch._grouped_mm`` on CPU, not a loop) wrapped in
   ``torch.nn.parallel.DistributedDataParallel`` (its bucketed all-reduce overlaps backward);
+* ``hf-ddp-loop``: the same under DDP with ``experts_implementation="eager"``, transformers'
+  experts *loop* (one gather, two matrix multiplies and an ``index_add_`` per expert hit) — the
+  baseline the issue's 1.2x target names;
 * ``deepshard-ep2``: `deepshard.autoep.parallelize_experts` on the ``ep`` axis (each rank keeps
   half the experts, tokens move by all-to-all), then each gradient averaged over its
   placement's group: the dense ones flattened into one all-reduce over ``dp × ep``, the expert
@@ -36,7 +39,9 @@ from deepshard.autoep import parallelize_experts
 from deepshard.comm import ParallelDims, all_reduce
 from deepshard.interface import Topology
 
-ROWS = ("hf-ddp", "deepshard-ep2")
+OURS = "deepshard-ep2"
+LOOP_ROW = "hf-ddp-loop"
+ROWS = ("hf-ddp", OURS, LOOP_ROW)
 REFERENCE_ROW = "hf-alone"
 DEEPSPEED_ROW = "deepspeed-autoep"
 
@@ -132,16 +137,16 @@ def run_rank(job: dict[str, Any]) -> None:
     dims = ParallelDims.build(Topology(ep=world))
     base = build_model(spec)
     ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    loop_model = copy.deepcopy(base)
+    loop_model.set_experts_implementation("eager")  # transformers' per-expert loop
+    ddp_loop = torch.nn.parallel.DistributedDataParallel(loop_model)
     alone = copy.deepcopy(base)
     ep_model = base
     report = parallelize_experts(ep_model, dims)
     gen = torch.Generator().manual_seed(100 + rank)
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=gen)
-    models = {"hf-ddp": (ddp, lambda: None)}
-    models["deepshard-ep2"] = (
-        ep_model,
-        lambda: _reduce_ep_grads(ep_model, dims, report.placements),
-    )
+    models = {"hf-ddp": (ddp, lambda: None), LOOP_ROW: (ddp_loop, lambda: None)}
+    models[OURS] = (ep_model, lambda: _reduce_ep_grads(ep_model, dims, report.placements))
     models[REFERENCE_ROW] = (alone, lambda: None)
     rows: tuple[str, ...] = (*ROWS, REFERENCE_ROW)
     engine: Any = "left out (--no-deepspeed)"

@@ -244,13 +244,13 @@ def test_zero_refusals_come_before_the_world_each_listed_once() -> None:
             "offload_optimizer": {"device": "cpu", "ratio": 0.5},
             "allgather_partitions": False,
         },
-        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+        "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
     }
     with pytest.raises(ConfigError) as caught:
         check_engine_config(DeepShardConfig.from_dict(config))
     keys = [path for path, _ in caught.value.problems]
     # each refusal once, the feature table's and ZeRO's; stage 3 and its partial offload run
     assert sorted(keys) == [
-        "bf16.bf16_master_weights_and_grads",
+        "fp16.fp16_master_weights_and_grads",
         "zero_optimization.allgather_partitions",
     ]

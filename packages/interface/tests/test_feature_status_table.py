@@ -76,18 +76,13 @@ ASKS = [
         },
         ["data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled"],
     ),
-    (
-        {
-            "bf16": {
-                "enabled": True,
-                "bf16_master_weights_and_grads": True,
-                "bf16_optimizer_states": True,
-            },
-            "zero_optimization": {"stage": 1},
-        },
-        ["bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states"],
-    ),
 ]
+
+
+def test_bf16_masters_at_stage_1_are_no_longer_planned() -> None:
+    bf16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    config = DeepShardConfig.from_dict({"bf16": bf16, "zero_optimization": {"stage": 1}})
+    assert planned_problems(config) == []
 
 
 @pytest.mark.parametrize(("config", "keys"), ASKS, ids=[keys[-1] for _, keys in ASKS])

@@ -111,15 +111,17 @@ class FlatParams:
                 view.copy_(param.detach())
                 param.data = view
 
-    def master_partition(self, rank: int) -> torch.Tensor:
-        """This rank's fp32 master: its chunk of every bucket, back to back.
+    def master_partition(self, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """This rank's master in ``dtype`` (fp32, or bf16 masters): its chunk of every bucket,
+        back to back.
 
-        A fresh copy, except for an unpartitioned fp32 buffer, which is its own master.
+        A fresh copy, except for an unpartitioned buffer already in ``dtype``, which is its own
+        master.
         """
         layout = self.layout
-        if layout.world_size == 1 and self.buffer.dtype == torch.float32:
+        if layout.world_size == 1 and self.buffer.dtype == dtype:
             return self.buffer
-        master = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.buffer.device)
+        master = torch.zeros(layout.partition_numel, dtype=dtype, device=self.buffer.device)
         for bucket in layout.buckets:
             chunk = layout.chunk_numel(bucket)
             start = layout.chunk_start(bucket, rank)

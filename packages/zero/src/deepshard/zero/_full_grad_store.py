@@ -28,7 +28,7 @@ from deepshard.zero._gradients import (
     BucketKey,
     GradientStore,
     StoreSettings,
-    _fp32,
+    _in,
 )
 from deepshard.zero._partitioned_gradients import PartitionedGradients
 from deepshard.zero._scheduler import Finish
@@ -91,7 +91,7 @@ class FullGroupGradients(GradientStore):
         self.boundary = boundary
         if boundary and self.stage == 1:
             self.partitions = [
-                self._zeros(lay.partition_numel, torch.float32) for lay in self.layouts
+                self._zeros(lay.partition_numel, self.settings.master_dtype) for lay in self.layouts
             ]
 
     def add(self, group_index: int, slot: ParamSlot, grad: torch.Tensor) -> None:
@@ -132,9 +132,9 @@ class FullGroupGradients(GradientStore):
 
     def partition_grads(self) -> list[torch.Tensor]:
         if self.stage == 0:
-            return [_fp32(buffer) for buffer in self.buffers]
+            return [_in(buffer, self.settings.master_dtype) for buffer in self.buffers]
         assert self.partitions is not None, "a boundary pass fills the partitions"
-        return [_fp32(partition) for partition in self.partitions]
+        return [_in(partition, self.settings.master_dtype) for partition in self.partitions]
 
     def clear(self) -> None:
         for buffer in self.buffers:

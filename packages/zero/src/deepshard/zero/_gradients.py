@@ -77,6 +77,8 @@ class StoreSettings:
         reduction: How buckets are combined.
         use_reduce_scatter: ``zero_optimization.reduce_scatter`` (else all-reduce and slice).
         accum_dtype: Dtype gradients are accumulated in; ``None`` uses each group's grad dtype.
+        master_dtype: Dtype of the master partitions, so of the reduced gradients the store hands
+            to the optimizer: fp32, or bf16 with ``bf16_master_weights_and_grads``.
         logger: Records every collective.
         param_positions: Each trainable parameter's index in the model's registration order,
             per group; decides the launch order (see `launch_order`).
@@ -90,6 +92,7 @@ class StoreSettings:
     reduction: GradientReduction
     use_reduce_scatter: bool = True
     accum_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype = torch.float32
     logger: CommsLogger | None = None
     param_positions: tuple[tuple[int, ...], ...] | None = None
     layout_groups: tuple[Group, ...] | None = None
@@ -123,8 +126,9 @@ def launch_order(
     return sorted(keys, key=earliest, reverse=True)
 
 
-def _fp32(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.dtype == torch.float32 else tensor.float()
+def _in(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` itself when it is already ``dtype``, else a copy in ``dtype``."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _done() -> None:
@@ -180,7 +184,8 @@ class GradientStore(ABC):
 
     @abstractmethod
     def partition_grads(self) -> list[torch.Tensor]:
-        """This rank's reduced fp32 gradients per group, laid out like its master partitions."""
+        """This rank's reduced gradients per group in the masters' dtype, laid out like its
+        master partitions."""
 
     @abstractmethod
     def clear(self) -> None:
@@ -272,10 +277,11 @@ class AccumulatedGradients(GradientStore):
         self._fresh = self._stale
         self._boundary = boundary
         if boundary and self.partitioned and self.partitions is None:
+            master = self.settings.master_dtype
             self.partitions = [
                 buffer
-                if solo and buffer.dtype == torch.float32  # one rank: the buffer is the partition
-                else self._zeros(lay.partition_numel, torch.float32)
+                if solo and buffer.dtype == master  # one rank: the buffer is the partition
+                else self._zeros(lay.partition_numel, master)
                 for lay, buffer, solo in zip(self.layouts, self.buffers, self.solo, strict=True)
             ]
 
@@ -309,14 +315,14 @@ class AccumulatedGradients(GradientStore):
             target = self.partitions[g][bucket.local_start : bucket.local_start + chunk]
         if self.solo[g]:
             if self.partitioned and target.data_ptr() != view.data_ptr():
-                target.copy_(view)  # a non-fp32 buffer into its fp32 partition
+                target.copy_(view)  # a buffer into its partition of another dtype
             return _done
         comm = view.to(self.comm_dtypes[g])  # the view itself when the dtypes agree
         if not self.partitioned:
             target = view
             pending = self._reduce(comm, g, scatter=False)
         else:
-            direct = comm.dtype == torch.float32 and self.settings.use_reduce_scatter
+            direct = comm.dtype == target.dtype and self.settings.use_reduce_scatter
             pending = self._reduce(comm, g, scatter=True, output=target if direct else None)
 
         def finish() -> None:
@@ -330,7 +336,7 @@ class AccumulatedGradients(GradientStore):
         if self.partitioned:
             assert self.partitions is not None, "a boundary pass fills the partitions"
             return self.partitions
-        return [_fp32(buffer) for buffer in self.buffers]
+        return [_in(buffer, self.settings.master_dtype) for buffer in self.buffers]
 
     def finish(self) -> None:
         super().finish()

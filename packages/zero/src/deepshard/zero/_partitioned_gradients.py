@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from deepshard.zero._gradients import BucketKey, GradientStore, StoreSettings, _done, _fp32
+from deepshard.zero._gradients import BucketKey, GradientStore, StoreSettings, _done, _in
 from deepshard.zero._scheduler import Finish
 from deepshard.zero.layout import Bucket, FlatLayout, ParamSlot
 
@@ -123,7 +123,7 @@ class PartitionedGradients(GradientStore):
         self._pool.clear()  # staging lives for one pass only
 
     def partition_grads(self) -> list[torch.Tensor]:
-        return [_fp32(acc) for acc in self.accumulators]
+        return [_in(acc, self.settings.master_dtype) for acc in self.accumulators]
 
     def clear(self) -> None:
         for acc in self.accumulators:

@@ -57,8 +57,9 @@ def build_zero_optimizer(
 
     Reads ``zero_optimization``, ``gradient_clipping``, ``gradient_allreduce_op``,
     ``prescale_gradients``, ``gradient_predivide_factor``, ``communication_data_type``,
-    ``data_types.grad_accum_dtype``, ``zero_allow_untested_optimizer``, ``aio`` and
-    ``zero_force_ds_cpu_optimizer`` (optimizer offload). Loss scaling
+    ``data_types.grad_accum_dtype``, ``zero_allow_untested_optimizer``, ``aio``,
+    ``zero_force_ds_cpu_optimizer`` (optimizer offload) and ``bf16.bf16_master_weights_and_grads``
+    (bf16 masters at stages 1-2). Loss scaling
     (``fp16``) stays with the caller, which passes the scale to ``step``.
 
     Args:
@@ -108,6 +109,9 @@ def build_zero_optimizer(
         "transformed_params": transformed_params,
         "aio": config.aio,
         "zero_force_ds_cpu_optimizer": config.zero_force_ds_cpu_optimizer,
+        "master_dtype": torch.bfloat16
+        if config.bf16.bf16_master_weights_and_grads
+        else torch.float32,
     }
     if sharded_module is not None:
         return ZeroOptimizer(optimizer, sharded_module, **common)

@@ -51,8 +51,10 @@ from deepshard.zero._full_grad_path import FullGroupsPath, StoreChoice
 from deepshard.zero._full_grad_store import split_store
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._gradients import StoreSettings
+from deepshard.zero._master_dtype import check_param_dtypes, master_dtype_problems
 from deepshard.zero._master_views import plan_master_views
 from deepshard.zero._offload import build_offload, offload_problems
+from deepshard.zero._offload_plan import offload_device
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._optimizer_reads import ZeroReads
 from deepshard.zero._owner import ZeroPartitionAccess
@@ -134,6 +136,10 @@ class ZeroOptimizer(
         aio: The ``aio`` section (NVMe offload).
         zero_force_ds_cpu_optimizer: With offload, refuse an optimizer stepped as itself on the
             host (not Adam/AdamW, not DeepShard's).
+        master_dtype: Dtype of the masters and of the reduced gradients the inner optimizer
+            steps them with: fp32, or bf16 (``bf16_master_weights_and_grads``: stages 1-2, a
+            bf16 model, no optimizer offload; the optimizer's states then follow in bf16, see
+            `deepshard.zero._master_dtype`).
 
     Raises:
         ConfigError: Unsupported settings, an unsuitable optimizer, param groups mixing dtypes,
@@ -174,6 +180,7 @@ class ZeroOptimizer(
         transformed_params: Iterable[torch.Tensor] = (),
         aio: AioConfig | None = None,
         zero_force_ds_cpu_optimizer: bool = True,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.config = sharded_section(config, sharded)
         transformed = full_grad_transform is not None
@@ -189,6 +196,10 @@ class ZeroOptimizer(
         given |= {"placements": placements, "comms_logger": comms_logger}
         problems += model_side_problems(self.config, sharded, given)
         problems += tp_problems(sharded, transformed=transformed)
+        offloaded = offload_device(self.config) != "none"
+        problems += master_dtype_problems(
+            self.config, master_dtype, offloaded=offloaded, transformed=transformed
+        )
         if sharded is not None and sharded.mixed_groups:
             problems += mixed_group_problems(self.config, transformed=transformed)
         if problems:
@@ -205,6 +216,7 @@ class ZeroOptimizer(
                 named_parameters,
                 placements,
             )
+        self._master_dtype = master_dtype
         self._build(optimizer, sharded, gradient_clipping, norm_type, aio)
         self._full_path(optimizer, full_grad_transform, transformed_params)
 
@@ -224,8 +236,9 @@ class ZeroOptimizer(
         self._partitions, self._partition_rank = resident.partition_count, resident.partition_rank
         self._params, self._flat = resident.params, [u.flat for u in resident.units]
         self._device, self._unit_ranks = resident.device, resident.partition_ranks
+        check_param_dtypes(self._master_dtype, [flat.buffer.dtype for flat in self._flat])
         ranks = zip(self._flat, self._unit_ranks, strict=True)
-        self._masters = [flat.master_partition(rank) for flat, rank in ranks]
+        self._masters = [flat.master_partition(r, self._master_dtype) for flat, r in ranks]
         self._gather_calls = [
             plan_gather_calls(f.layout, max_numel=resident.gather_numel) for f in self._flat
         ]
@@ -237,6 +250,7 @@ class ZeroOptimizer(
             self._policy.reduction,
             use_reduce_scatter=uses_reduce_scatter(self.config.reduce_scatter, self._device),
             accum_dtype=self._policy.grad_accum_dtype,
+            master_dtype=self._master_dtype,
             logger=self._logger,
             param_positions=resident.param_positions,
             layout_groups=tuple(u.group for u in resident.units) if resident.mixed_groups else None,

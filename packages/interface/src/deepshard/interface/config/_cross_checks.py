@@ -32,6 +32,32 @@ def _precision_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
             )
         if stage == 0:
             problems.append(("bf16.bf16_optimizer_states", "needs zero_optimization.stage >= 1"))
+    if config.bf16.bf16_master_weights_and_grads:
+        problems += _bf16_master_problems(config)
+    return problems
+
+
+def _bf16_master_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
+    """What DeepShard's bf16 masters need beyond DeepSpeed's rules (`deepshard.zero`'s
+    ``_master_dtype`` says why)."""
+    key = "bf16.bf16_master_weights_and_grads"
+    zero = config.zero_optimization
+    problems = []
+    if not config.bf16.enabled:
+        problems.append((key, "needs bf16.enabled: the masters are kept in the model's bf16"))
+    if zero.stage == 3:
+        problems.append((key, "at stage 3 is planned (it keeps fp32 masters); use stage 1 or 2"))
+    offload = zero.offload_optimizer
+    if offload is not None and offload.device != "none":
+        problems.append(
+            (key, "with optimizer offload is planned (the host step keeps fp32 masters); "
+             "remove offload_optimizer")
+        )  # fmt: skip
+    elif not config.bf16.bf16_optimizer_states:
+        problems.append(
+            (key, "with fp32 optimizer states runs on the host through CPU Adam in DeepSpeed "
+             "(optimizer offload, planned here); set bf16.bf16_optimizer_states: true")
+        )  # fmt: skip
     return problems
 
 

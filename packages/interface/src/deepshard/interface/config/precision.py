@@ -106,10 +106,13 @@ class Bf16Config(ConfigModel):
     default, as for fp16; ``check_overflow`` is accepted as the older spelling."""
 
     bf16_master_weights_and_grads: bool = False
-    """Keep master weights and gradients in bf16 (needs ZeRO stage 1, 2 or 3)."""
+    """Keep the ZeRO master weights and the reduced gradients in bf16 (2 bytes each instead of
+    4). DeepShard runs it at ZeRO stage 1 or 2 with ``enabled`` and ``bf16_optimizer_states``;
+    stage 3 and optimizer offload (DeepSpeed's fp32-moment mode) are planned."""
 
     bf16_optimizer_states: bool = False
-    """Keep optimizer states in bf16 too (needs ``bf16_master_weights_and_grads``)."""
+    """Keep the optimizer states in bf16 too (needs ``bf16_master_weights_and_grads``): the inner
+    optimizer steps bf16 masters and allocates its moments like them."""
 
 
 class DataTypesConfig(ConfigModel):

@@ -40,19 +40,9 @@ _PLANNED = (
     FeatureStatus(
         "fp16.fp16_master_weights_and_grads",
         "planned",
-        "16-bit master weights",
+        "fp16 master weights (DeepSpeed: with CPU optimizer offload only)",
         _ZERO,
         When("true"),
-    ),
-    FeatureStatus(
-        "bf16.bf16_master_weights_and_grads",
-        "planned",
-        "16-bit master weights",
-        _ZERO,
-        When("true"),
-    ),
-    FeatureStatus(
-        "bf16.bf16_optimizer_states", "planned", "16-bit optimizer states", _ZERO, When("true")
     ),
     FeatureStatus(
         "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",

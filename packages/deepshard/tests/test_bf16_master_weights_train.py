@@ -1,0 +1,218 @@
+"""``bf16.bf16_master_weights_and_grads`` with ``bf16_optimizer_states`` at ZeRO stages 1-2.
+
+The masters, the reduced gradients and the Adam moments are all bf16, so a step is exactly what
+torch's AdamW does to a bf16 model on its own. On one rank the engine must therefore match that
+reference bit for bit (losses and weights, 4 steps), with the unpartitioned bf16 buffer serving
+as its own master (no copy). A checkpoint taken after 2 steps, loaded into a fresh engine, gives
+the same last 2 steps. On 2 gloo ranks (each on half the batch) the weights follow the same
+reference within bf16 rounding (the two halves' gradients are averaged, not computed at once),
+and each rank's ZeRO state (masters + both moments) takes half the bytes of the fp32-master run
+of the same config. Configs DeepShard cannot honour are refused with the key named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deepshard.interface import ConfigError, DeepShardConfig
+from deepshard.testing import run_on_mesh
+
+STEPS, MICRO, LR = 4, 4, 1e-2
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _batch(step: int, rank: int, micro: int = MICRO) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(micro, 6, generator=gen), torch.randn(micro, 3, generator=gen)
+    return x.bfloat16(), y.bfloat16()
+
+
+def _loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _config(stage: int, world: int, *, bf16_masters: bool = True) -> dict[str, Any]:
+    return {
+        "train_batch_size": MICRO * world,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "bf16": {
+            "enabled": True,
+            "bf16_master_weights_and_grads": bf16_masters,
+            "bf16_optimizer_states": bf16_masters,
+        },
+        "zero_optimization": {"stage": stage},
+    }
+
+
+def _engine(mesh: Any, config: dict[str, Any]) -> Any:
+    import deepshard.engine as ds
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine, *_ = ds.initialize(model, config, optimizer=optimizer, mesh=mesh)
+    return engine
+
+
+def _steps(engine: Any, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = _loss(engine, _batch(step, rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float()))
+    return losses
+
+
+def _state_bytes(engine: Any) -> dict[str, Any]:
+    zero = engine.optimizer
+    masters = list(zero.master_partitions)
+    moments = [
+        t for s in zero.inner.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")
+    ]
+    return {
+        "dtypes": sorted({str(t.dtype) for t in masters + moments}),
+        "bytes": sum(t.numel() * t.element_size() for t in masters + moments),
+    }
+
+
+def _one_rank(mesh: Any, stage: int, folder: str) -> dict[str, Any]:
+    engine = _engine(mesh, _config(stage, 1))
+    flat = engine.optimizer._flat[0].buffer
+    aliased = engine.optimizer.master_partitions[0].data_ptr() == flat.data_ptr()
+    losses = _steps(engine, 0, range(STEPS))
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    # Resume: 2 steps, save, a fresh engine loads and runs the last 2.
+    first = _engine(mesh, _config(stage, 1))
+    _steps(first, 0, range(2))
+    first.save_checkpoint(folder)
+    second = _engine(mesh, _config(stage, 1))
+    second.load_checkpoint(folder)
+    resumed = _steps(second, 0, range(2, STEPS))
+    after = {n: p.detach().clone() for n, p in second.module.named_parameters()}
+    return {
+        "losses": losses,
+        "params": params,
+        "aliased": aliased,
+        "state": _state_bytes(engine),
+        "resumed": resumed,
+        "after": after,
+    }
+
+
+def _reference(ranks: int) -> dict[str, Any]:
+    model = _model().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = zip(*(_batch(step, rank) for rank in range(ranks)), strict=True)
+        loss = _loss(model, (torch.cat(x), torch.cat(y)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach().float()))
+    states = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
+    assert {t.dtype for t in states} == {torch.bfloat16}  # torch's moments follow the params
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_rank_steps_exactly_as_adamw_on_a_bf16_model(stage: int, tmp_path: Path) -> None:
+    [out] = run_on_mesh(_one_rank, 1, args=(stage, str(tmp_path / "ckpt")), timeout_s=120)
+    ref = _reference(1)
+    assert out["losses"] == ref["losses"]
+    for name, value in ref["params"].items():
+        assert out["params"][name].dtype == torch.bfloat16
+        torch.testing.assert_close(out["params"][name], value, rtol=0, atol=0)
+        torch.testing.assert_close(out["after"][name], value, rtol=0, atol=0)
+    assert out["resumed"] == ref["losses"][2:]
+    assert out["aliased"]  # one rank, bf16 buffer: it is its own master
+    assert out["state"]["dtypes"] == ["torch.bfloat16"]
+    # every parameter starts 16-byte aligned in the flat buffer: 8 bf16 elements
+    numel = sum(-(-p.numel() // 8) * 8 for p in ref["params"].values())
+    assert out["state"]["bytes"] == numel * 2 * 3  # master + two moments, 2 bytes each
+
+
+def _two_ranks(mesh: Any, stage: int) -> dict[str, Any]:
+    rank = mesh.get_rank()
+    engine = _engine(mesh, _config(stage, 2))
+    losses = _steps(engine, rank, range(STEPS))
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    fp32 = _engine(mesh, _config(stage, 2, bf16_masters=False))
+    _steps(fp32, rank, range(1))  # the moments exist after a step
+    return {
+        "losses": losses,
+        "params": params,
+        "state": _state_bytes(engine),
+        "fp32_state": _state_bytes(fp32),
+    }
+
+
+def _both_stages(mesh: Any) -> dict[int, Any]:
+    return {stage: _two_ranks(mesh, stage) for stage in (1, 2)}
+
+
+@pytest.mark.slow  # 2 gloo ranks, four engines; the main run has it
+def test_two_ranks_follow_the_reference_with_half_the_state() -> None:
+    ranks = run_on_mesh(_both_stages, 2, timeout_s=180)
+    ref = _reference(2)
+    for rank, by_stage in enumerate(ranks):
+        for stage, out in by_stage.items():
+            for name, value in ref["params"].items():
+                torch.testing.assert_close(
+                    out["params"][name], value, rtol=2e-2, atol=2e-2,
+                    msg=lambda m, s=stage, r=rank, n=name: f"stage {s}, rank {r}, {n}: {m}",
+                )  # fmt: skip
+            assert out["state"]["dtypes"] == ["torch.bfloat16"]
+            assert out["fp32_state"]["dtypes"] == ["torch.float32"]
+            assert out["state"]["bytes"] * 2 == out["fp32_state"]["bytes"], (rank, stage)
+    # both ranks hold the same (replicated) weights after the all-gather
+    for stage in (1, 2):
+        for name in ref["params"]:
+            assert torch.equal(ranks[0][stage]["params"][name], ranks[1][stage]["params"][name])
+
+
+def _muon(mesh: Any) -> str:
+    import deepshard.engine as ds
+
+    config = _config(2, 1) | {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}}
+    with pytest.raises(ConfigError) as caught:
+        ds.initialize(_model(), config, mesh=mesh)
+    return str(caught.value)
+
+
+def _problems(**bf16: Any) -> str:
+    zero = bf16.pop("zero", {"stage": 2})
+    config = {"train_batch_size": 2, "bf16": {"enabled": True} | bf16, "zero_optimization": zero}
+    with pytest.raises(ConfigError) as caught:
+        DeepShardConfig.from_dict(config)
+    return str(caught.value)
+
+
+def test_configs_it_cannot_honour_are_refused_by_key() -> None:
+    key = "bf16.bf16_master_weights_and_grads"
+    masters = {"bf16_master_weights_and_grads": True}
+    both = masters | {"bf16_optimizer_states": True}
+    message = _problems(**masters)
+    assert key in message and "bf16_optimizer_states: true" in message
+    assert "planned" in _problems(**both, zero={"stage": 3})
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert "optimizer offload is planned" in _problems(**both, zero=offload)
+    assert "needs bf16.enabled" in _problems(enabled=False, **both)
+    assert "stage >= 1" in _problems(**both, zero={"stage": 0})
+    # Muon's own fp32 state is refused when ZeRO is built (the model exists then)
+    [muon] = run_on_mesh(_muon, 1, timeout_s=60)
+    assert key in muon and "Muon is planned" in muon
+    # the supported combination validates
+    DeepShardConfig.from_dict(
+        {"train_batch_size": 2, "bf16": {"enabled": True} | both, "zero_optimization": {"stage": 1}}
+    )

@@ -10,12 +10,11 @@ bytes of ZeRO state instead of 4 + 4 + 8.
 
 What DeepShard runs, and why the rest is refused:
 
-* stages 1-2 (stage 0 has no partition to keep a master of, as DeepSpeed says);
+* stages 1-3 (stage 0 has no partition to keep a master of, as DeepSpeed says);
 * a bf16 model (``bf16.enabled``): the masters are the parameters' own precision, so an
   unpartitioned bf16 buffer is its own master and nothing is copied;
 * no optimizer offload: DeepSpeed's other mode, bf16 masters with fp32 moments, steps on the host
   through CPU Adam; DeepShard's host step keeps fp32 masters, so that combination is planned;
-* stage 3 keeps fp32 masters for now (planned);
 * no full-gradient transform (Muon): its momentum buffers and its Adam half keep fp32 state of
   their own, which is not what ``bf16_optimizer_states`` asks for (planned).
 
@@ -60,11 +59,8 @@ def master_dtype_problems(
     if master_dtype not in MASTER_DTYPES:
         return [("master_dtype", f"must be torch.float32 or torch.bfloat16, got {master_dtype}")]
     problems = []
-    if config.stage not in (1, 2):
-        problems.append(
-            (_KEY, f"needs zero_optimization.stage 1 or 2 (is {config.stage}); stage 3 keeps "
-             "fp32 masters for now (planned)")
-        )  # fmt: skip
+    if config.stage == 0:
+        problems.append((_KEY, "needs zero_optimization.stage >= 1 (stage 0 keeps no masters)"))
     if offloaded:
         problems.append(
             (_KEY, "with optimizer offload is planned (the host step keeps fp32 masters); "

@@ -16,7 +16,7 @@ import torch
 
 from deepshard.zero._sharded import ShardedModule
 
-__all__ = ["device_masters", "follow_partition", "master_ranges", "merged_ranges"]
+__all__ = ["device_masters", "follow_partition", "master_grads", "master_ranges", "merged_ranges"]
 
 Range = tuple[int, int, int]
 """``(unit, lo, hi)``: elements ``[lo, hi)`` of a unit's partition (and master)."""
@@ -55,19 +55,37 @@ def merged_ranges(
 
 
 def device_masters(
-    sharded: ShardedModule, trainable: Sequence[int]
+    sharded: ShardedModule, trainable: Sequence[int], dtype: torch.dtype = torch.float32
 ) -> list[tuple[torch.Tensor, bool]]:
-    """Each unit's fp32 master of its first ``trainable[unit]`` elements, on the compute device,
-    and whether it is a copy of its own (a device-resident fp32 partition is its own master)."""
+    """Each unit's ``dtype`` master (fp32, or bf16 masters) of its first ``trainable[unit]``
+    elements, on the compute device, and whether it is a copy of its own (a device-resident
+    partition already in ``dtype`` is its own master)."""
     masters = []
     for u, numel in zip(sharded.units, trainable, strict=True):
         on_device = u.home.device_bytes > 0 or u.partition.numel() == 0
-        if on_device and u.partition.dtype == torch.float32:
+        if on_device and u.partition.dtype == dtype:
             masters.append((u.partition[:numel], False))
         else:
             values = u.home.read()[:numel]
-            masters.append((values.to(u.buffer.device, torch.float32, copy=True), True))
+            masters.append((values.to(u.buffer.device, dtype, copy=True), True))
     return masters
+
+
+def master_grads(
+    partitions: Sequence[torch.Tensor | None],
+    trainable: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Each unit's reduced gradient over its master (the first ``trainable[unit]`` elements of
+    its gradient partition; zeros where it has none) in the masters' ``dtype``."""
+    out = []
+    for grad, numel in zip(partitions, trainable, strict=True):
+        if grad is None:
+            out.append(torch.zeros(numel, dtype=dtype, device=device))
+        else:
+            out.append(grad[:numel] if grad.dtype == dtype else grad[:numel].to(dtype))
+    return out
 
 
 def follow_partition(master: torch.Tensor, partition: torch.Tensor) -> None:

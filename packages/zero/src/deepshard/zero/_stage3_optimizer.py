@@ -1,17 +1,18 @@
-"""The optimizer side of ZeRO stage 3: fp32 masters of each unit's partition and the step.
+"""The optimizer side of ZeRO stage 3: masters of each unit's partition and the step.
 
 ``ZeroOptimizer(inner, sharded_module)`` builds this class. The model side (`ShardedModule`)
 already reduce-scattered every gradient into this rank's gradient partition of its unit; what
 is left is the arithmetic of stages 0-2 on those partitions:
 
 1. **Masters.** The trainable prefix of each unit's partition (frozen parameters sit at the
-   end of the unit's layout, `deepshard.zero._units`) gets an fp32 master (a view of the
-   partition itself when it is fp32); frozen parameters get neither a master nor state. The
-   inner optimizer's param groups keep their hyper-parameters but their ``params`` become
-   *master views*: for every parameter of a group, the range of its unit's partition this rank
-   holds, consecutive ranges of one group merged into one view (alignment padding
-   between them is zero and stays zero under an element-wise update), at most 1 MiB each for a
-   known element-wise optimizer. So param groups never decide how gradients are communicated.
+   end of the unit's layout, `deepshard.zero._units`) gets an fp32 master (bf16 with
+   ``bf16_master_weights_and_grads``; a view of the partition itself when it is in that dtype);
+   frozen parameters get neither a master nor state. The inner optimizer's param groups keep
+   their hyper-parameters but their ``params`` become *master views*: for every parameter of a
+   group, the range of its unit's partition this rank holds, consecutive ranges of one group
+   merged into one view (alignment padding between them is zero and stays zero under an
+   element-wise update), at most 1 MiB each for a known element-wise optimizer. So param groups
+   never decide how gradients are communicated.
 2. **Step.** The overflow flag and the global norm take one all-reduce over the group
    (`deepshard.zero._step`); an overflow skips everything; otherwise one factor unscales and
    clips, and the inner optimizer steps the views in *sub-groups* of at most ``sub_group_size``
@@ -42,7 +43,8 @@ from deepshard.comm import CommsLogger, Group, resolve_group
 from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import CheckpointError, CommError, ConfigError
 from deepshard.zero._full_grads import FullGradTransform
-from deepshard.zero._offload_plan import offload_problems
+from deepshard.zero._master_dtype import check_param_dtypes, master_dtype_problems
+from deepshard.zero._offload_plan import offload_device, offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._rgroups import mixed_group_problems
 from deepshard.zero._settings import zero_problems
@@ -51,6 +53,7 @@ from deepshard.zero._shards import ParamShard
 from deepshard.zero._stage3_masters import (
     device_masters,
     follow_partition,
+    master_grads,
     master_ranges,
     merged_ranges,
 )
@@ -91,6 +94,9 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         aio: The ``aio`` section (NVMe optimizer offload).
         zero_force_ds_cpu_optimizer: With offload, refuse an optimizer stepped as itself on the
             host unless it is DeepShard's.
+        master_dtype: fp32, or bf16 masters (``bf16_master_weights_and_grads``; a device-resident
+            bf16 partition is then its own master, the reduced gradients are handed over in bf16
+            and the moments follow; `deepshard.zero._master_dtype`).
 
     Raises:
         ConfigError: Unsupported settings, an unsuitable optimizer, a parameter that is not the
@@ -112,6 +118,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         transformed_params: Iterable[torch.Tensor] = (),
         aio: AioConfig | None = None,
         zero_force_ds_cpu_optimizer: bool = True,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.config = config if config is not None else ZeroConfig(stage=3)
         transformed = full_grad_transform is not None
@@ -124,8 +131,13 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         if sharded.mixed_groups:
             problems += mixed_group_problems(self.config, transformed=transformed)
         problems += tp_problems(sharded, transformed=transformed)
+        offloaded = offload_device(self.config) != "none"
+        problems += master_dtype_problems(
+            self.config, master_dtype, offloaded=offloaded, transformed=transformed
+        )
         if problems:
             raise ConfigError.from_problems(problems)
+        check_param_dtypes(master_dtype, [unit.buffer.dtype for unit in sharded.units])
         if group is not None and resolve_group(group) is not sharded.group:
             raise ConfigError(
                 "ZeroOptimizer got a group other than its ShardedModule's; stage 3 reduces over "
@@ -150,7 +162,9 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         self._offload = build_stage3_offload(
             self.config, optimizer, sharded, ranges, self._trainable, aio
         )
-        masters = [] if self._offload is not None else device_masters(sharded, self._trainable)
+        self._master_dtype = master_dtype
+        host_step = self._offload is not None
+        masters = [] if host_step else device_masters(sharded, self._trainable, master_dtype)
         self._masters = [master for master, _ in masters]
         self._own_master = [own for _, own in masters]
         self._views = (
@@ -266,7 +280,9 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
                 "step() needs gradients reduced at an accumulation boundary: run a backward "
                 "pass with is_boundary=True (outside no_sync()) since the last step"
             )
-        grads = self._fp32_grads()
+        grads = master_grads(
+            self.sharded.grad_partitions(), self._trainable, self._master_dtype, self._device
+        )
         device = self._device
         group = self._group if self._partitions > 1 else None
         settings = NormSettings(
@@ -298,17 +314,6 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         for state, master, own in pairs:
             if own:
                 state.home.write(master)
-
-    def _fp32_grads(self) -> list[torch.Tensor]:
-        """Each unit's reduced gradient over its master (the trainable prefix), in fp32."""
-        out = []
-        for grad, numel in zip(self.sharded.grad_partitions(), self._trainable, strict=True):
-            if grad is None:
-                out.append(torch.zeros(numel, dtype=torch.float32, device=self._device))
-            else:
-                grad = grad[:numel]
-                out.append(grad if grad.dtype == torch.float32 else grad.float())
-        return out
 
     def _step_sub_groups(self, grads: list[torch.Tensor], factor: float) -> None:
         if factor != 1.0:

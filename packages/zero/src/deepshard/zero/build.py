@@ -59,7 +59,7 @@ def build_zero_optimizer(
     ``prescale_gradients``, ``gradient_predivide_factor``, ``communication_data_type``,
     ``data_types.grad_accum_dtype``, ``zero_allow_untested_optimizer``, ``aio``,
     ``zero_force_ds_cpu_optimizer`` (optimizer offload) and ``bf16.bf16_master_weights_and_grads``
-    (bf16 masters at stages 1-2). Loss scaling
+    (bf16 masters). Loss scaling
     (``fp16``) stays with the caller, which passes the scale to ``step``.
 
     Args:
@@ -164,4 +164,5 @@ def _stage3(
         transformed_params=transformed_params,
         aio=config.aio,
         zero_force_ds_cpu_optimizer=config.zero_force_ds_cpu_optimizer,
+        master_dtype=torch.bfloat16 if config.bf16.bf16_master_weights_and_grads else torch.float32,
     )

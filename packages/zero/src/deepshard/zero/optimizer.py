@@ -137,7 +137,7 @@ class ZeroOptimizer(
         zero_force_ds_cpu_optimizer: With offload, refuse an optimizer stepped as itself on the
             host (not Adam/AdamW, not DeepShard's).
         master_dtype: Dtype of the masters and of the reduced gradients the inner optimizer
-            steps them with: fp32, or bf16 (``bf16_master_weights_and_grads``: stages 1-2, a
+            steps them with: fp32, or bf16 (``bf16_master_weights_and_grads``: stages 1-3, a
             bf16 model, no optimizer offload; the optimizer's states then follow in bf16, see
             `deepshard.zero._master_dtype`).
 

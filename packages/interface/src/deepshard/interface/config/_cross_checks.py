@@ -45,8 +45,6 @@ def _bf16_master_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
     problems = []
     if not config.bf16.enabled:
         problems.append((key, "needs bf16.enabled: the masters are kept in the model's bf16"))
-    if zero.stage == 3:
-        problems.append((key, "at stage 3 is planned (it keeps fp32 masters); use stage 1 or 2"))
     offload = zero.offload_optimizer
     if offload is not None and offload.device != "none":
         problems.append(

@@ -107,8 +107,8 @@ class Bf16Config(ConfigModel):
 
     bf16_master_weights_and_grads: bool = False
     """Keep the ZeRO master weights and the reduced gradients in bf16 (2 bytes each instead of
-    4). DeepShard runs it at ZeRO stage 1 or 2 with ``enabled`` and ``bf16_optimizer_states``;
-    stage 3 and optimizer offload (DeepSpeed's fp32-moment mode) are planned."""
+    4). DeepShard runs it at ZeRO stages 1-3 with ``enabled`` and ``bf16_optimizer_states``;
+    optimizer offload (DeepSpeed's fp32-moment mode) is planned."""
 
     bf16_optimizer_states: bool = False
     """Keep the optimizer states in bf16 too (needs ``bf16_master_weights_and_grads``): the inner

@@ -2,8 +2,9 @@
 
 The masters, the reduced gradients and the Adam moments are all bf16, so a step is exactly what
 torch's AdamW does to a bf16 model on its own. On one rank the engine must therefore match that
-reference bit for bit at stages 1-3 (losses and weights, 4 steps), with the unpartitioned bf16
-buffer (stage 3: the bf16 partition) serving as its own master (no copy). A checkpoint taken
+reference bit for bit at stages 1-3 (losses and weights, 4 steps; stage 3 also with its
+partitions offloaded to the host), with the unpartitioned bf16 buffer (stage 3: the bf16
+partition on the device) serving as its own master (no copy). A checkpoint taken
 after 2 steps, loaded into a fresh engine, gives the same last 2 steps. On 2 gloo ranks (each on
 half the batch) the weights follow the same reference within bf16 rounding (the two halves'
 gradients are averaged, not computed at once), and each rank's ZeRO state (masters + both
@@ -103,17 +104,20 @@ def _own_buffer(engine: Any, stage: int) -> torch.Tensor:
     return engine.optimizer._flat[0].buffer
 
 
-def _one_rank(mesh: Any, stage: int, folder: str) -> dict[str, Any]:
-    engine = _engine(mesh, _config(stage, 1))
+def _one_rank(mesh: Any, stage: int, offload_param: bool, folder: str) -> dict[str, Any]:
+    config = _config(stage, 1)
+    if offload_param:  # the partitions live on the host: the master is a device copy
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    engine = _engine(mesh, config)
     own = _own_buffer(engine, stage)
     aliased = engine.optimizer.master_partitions[0].data_ptr() == own.data_ptr()
     losses = _steps(engine, 0, range(STEPS))
     params = _params(engine, stage)
     # Resume: 2 steps, save, a fresh engine loads and runs the last 2.
-    first = _engine(mesh, _config(stage, 1))
+    first = _engine(mesh, config)
     _steps(first, 0, range(2))
     first.save_checkpoint(folder)
-    second = _engine(mesh, _config(stage, 1))
+    second = _engine(mesh, config)
     second.load_checkpoint(folder)
     resumed = _steps(second, 0, range(2, STEPS))
     after = _params(second, stage)
@@ -143,9 +147,14 @@ def _reference(ranks: int) -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_one_rank_steps_exactly_as_adamw_on_a_bf16_model(stage: int, tmp_path: Path) -> None:
-    [out] = run_on_mesh(_one_rank, 1, args=(stage, str(tmp_path / "ckpt")), timeout_s=120)
+@pytest.mark.parametrize(
+    ("stage", "offload_param"), [(1, False), (2, False), (3, False), (3, True)]
+)
+def test_one_rank_steps_exactly_as_adamw_on_a_bf16_model(
+    stage: int, offload_param: bool, tmp_path: Path
+) -> None:
+    args = (stage, offload_param, str(tmp_path / "ckpt"))
+    [out] = run_on_mesh(_one_rank, 1, args=args, timeout_s=120)
     ref = _reference(1)
     assert out["losses"] == ref["losses"]
     for name, value in ref["params"].items():
@@ -153,7 +162,7 @@ def test_one_rank_steps_exactly_as_adamw_on_a_bf16_model(stage: int, tmp_path: P
         torch.testing.assert_close(out["params"][name], value, rtol=0, atol=0)
         torch.testing.assert_close(out["after"][name], value, rtol=0, atol=0)
     assert out["resumed"] == ref["losses"][2:]
-    assert out["aliased"]  # one rank, bf16 buffer: it is its own master
+    assert out["aliased"] is not offload_param  # a device-resident bf16 buffer is its own master
     assert out["state"]["dtypes"] == ["torch.bfloat16"]
     # master + two moments, 2 bytes an element; the master covers every parameter, plus at most
     # 7 elements of alignment padding each (16-byte alignment at stages 1-2)

@@ -10,6 +10,11 @@ half the batch) the weights follow the same reference within bf16 rounding (the 
 gradients are averaged, not computed at once), and each rank's ZeRO state (masters + both
 moments) takes half the bytes of the fp32-master run of the same config. Configs DeepShard
 cannot honour are refused with the key named.
+
+DeepSpeed's other mode, bf16 masters with fp32 moments stepped on the host by CPU Adam
+(``offload_optimizer: cpu`` without ``bf16_optimizer_states``), must equal DeepShard's own
+AdamW (the same kernel, fp32 moments) on a bf16 model bit for bit at stages 1-3, with the host
+holding 2 + 4 + 4 bytes per master element.
 """
 
 from __future__ import annotations
@@ -236,12 +241,67 @@ def test_configs_it_cannot_honour_are_refused_by_key() -> None:
     assert key in message and "bf16_optimizer_states: true" in message
     offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     assert "optimizer offload is planned" in _problems(**both, zero=offload)
+    nvme = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}
+    assert "NVMe optimizer offload is planned" in _problems(**masters, zero=nvme)
+    partial = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}
+    assert "partial optimizer offload" in _problems(**masters, zero=partial)
     assert "needs bf16.enabled" in _problems(enabled=False, **both)
     assert "stage >= 1" in _problems(**both, zero={"stage": 0})
     # Muon's own fp32 state is refused when ZeRO is built (the model exists then)
     [muon] = run_on_mesh(_muon, 1, timeout_s=60)
     assert key in muon and "Muon is planned" in muon
-    # the supported combination validates
-    DeepShardConfig.from_dict(
-        {"train_batch_size": 2, "bf16": {"enabled": True} | both, "zero_optimization": {"stage": 1}}
-    )
+    # the supported combinations validate
+    for bf16, zero in ((both, {"stage": 1}), (masters, offload)):
+        DeepShardConfig.from_dict(
+            {"train_batch_size": 2, "bf16": {"enabled": True} | bf16, "zero_optimization": zero}
+        )
+
+
+# --- DeepSpeed's other mode: bf16 masters with fp32 moments, stepped on the host -------------
+
+
+def _offloaded(mesh: Any, stage: int) -> dict[str, Any]:
+    config = _config(stage, 1)
+    config["bf16"]["bf16_optimizer_states"] = False
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine = _engine(mesh, config)
+    losses = _steps(engine, 0, range(STEPS))
+    offload = engine.optimizer._offload
+    masters, exp_avg, exp_avg_sq = offload.state.whole()
+    return {
+        "losses": losses,
+        "params": _params(engine, stage),
+        "dtypes": [str(t[0].dtype) for t in (masters, exp_avg, exp_avg_sq)],
+        "host_bytes": sum(t.numel() * t.element_size() for t in [*masters, *exp_avg, *exp_avg_sq]),
+        "master_numel": sum(t.numel() for t in masters),
+    }
+
+
+def _kernel_reference() -> dict[str, Any]:
+    """DeepShard's AdamW on a bf16 model in one process: fp32 moments by default, the same CPU
+    kernel the offloaded step runs."""
+    from deepshard.optimizers import AdamW
+
+    model = _model().bfloat16()
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=0.01)  # torch AdamW's default decay
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model, _batch(step, 0))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach().float()))
+    states = [t for s in opt.state.values() for k, t in s.items() if k.startswith("exp_avg")]
+    assert {t.dtype for t in states} == {torch.float32}
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_bf16_masters_step_with_fp32_moments_like_the_kernel(stage: int) -> None:
+    [out] = run_on_mesh(_offloaded, 1, args=(stage,), timeout_s=120)
+    ref = _kernel_reference()
+    assert out["losses"] == ref["losses"]
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(out["params"][name], value, rtol=0, atol=0)
+    assert out["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float32"]
+    assert out["host_bytes"] == out["master_numel"] * (2 + 4 + 4)  # not 4 + 4 + 4

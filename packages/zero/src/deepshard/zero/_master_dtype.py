@@ -3,24 +3,29 @@
 By default every rank keeps an fp32 copy of its partition of the parameters (the *masters*),
 the reduced gradients are handed to the inner optimizer in fp32, and the optimizer's states
 follow the masters (fp32 Adam moments). DeepSpeed's ``bf16.bf16_master_weights_and_grads``
-keeps the masters and the reduced gradients in bf16 instead, and ``bf16_optimizer_states``
-lets the states follow them: the inner optimizer simply steps bf16 tensors (a torch or
-DeepShard Adam allocates its moments like its parameters), so a parameter costs 2 + 2 + 4
-bytes of ZeRO state instead of 4 + 4 + 8.
+keeps the masters and the reduced gradients in bf16 instead, in two modes:
+
+* with ``bf16_optimizer_states`` the states follow too: the inner optimizer simply steps bf16
+  tensors (a torch or DeepShard Adam allocates its moments like its parameters), so a parameter
+  costs 2 + 2 + 4 bytes of ZeRO state instead of 4 + 4 + 8;
+* without it, the masters live on the host (``offload_optimizer: {device: cpu}``) and the CPU
+  Adam kernel steps the bf16 masters with fp32 moments (it widens to fp32 and rounds once per
+  step): host memory 2 + 8 bytes a parameter instead of 4 + 8, and no separate 16-bit copy.
 
 What DeepShard runs, and why the rest is refused:
 
 * stages 1-3 (stage 0 has no partition to keep a master of, as DeepSpeed says);
-* a bf16 model (``bf16.enabled``): the masters are the parameters' own precision, so an
-  unpartitioned bf16 buffer is its own master and nothing is copied;
-* no optimizer offload: DeepSpeed's other mode, bf16 masters with fp32 moments, steps on the host
-  through CPU Adam; DeepShard's host step keeps fp32 masters, so that combination is planned;
+* a bf16 model (``bf16.enabled``): the masters are the parameters' own precision, so a
+  device-resident bf16 buffer or partition is its own master and nothing is copied;
+* optimizer offload to ``cpu`` with the whole partition (``ratio`` 1): NVMe slots and the
+  device share of a partial offload keep fp32 masters (planned);
 * no full-gradient transform (Muon): its momentum buffers and its Adam half keep fp32 state of
   their own, which is not what ``bf16_optimizer_states`` asks for (planned).
 
-The config-level rules (`bf16.enabled`, the stage, ``bf16_optimizer_states``, offload) live in
-`deepshard.interface.config`'s cross-checks, so ``initialize`` refuses them before building
-anything; `master_dtype_problems` repeats the ones a direct `ZeroOptimizer` caller can break.
+The config-level rules (`bf16.enabled`, the stage, ``bf16_optimizer_states`` against offload)
+live in `deepshard.interface.config`'s cross-checks, so ``initialize`` refuses them before
+building anything; `master_dtype_problems` repeats the ones a direct `ZeroOptimizer` caller can
+break.
 """
 
 from __future__ import annotations
@@ -41,14 +46,13 @@ _KEY = "bf16.bf16_master_weights_and_grads"
 
 
 def master_dtype_problems(
-    config: ZeroConfig, master_dtype: torch.dtype, *, offloaded: bool, transformed: bool
+    config: ZeroConfig, master_dtype: torch.dtype, *, transformed: bool
 ) -> list[tuple[str, str]]:
     """Why ``master_dtype`` cannot be honoured with this ``zero_optimization`` section.
 
     Args:
         config: The ``zero_optimization`` section.
         master_dtype: The requested master dtype.
-        offloaded: Optimizer offload is configured.
         transformed: A full-gradient transform (Muon) is used.
 
     Returns:
@@ -61,11 +65,11 @@ def master_dtype_problems(
     problems = []
     if config.stage == 0:
         problems.append((_KEY, "needs zero_optimization.stage >= 1 (stage 0 keeps no masters)"))
-    if offloaded:
-        problems.append(
-            (_KEY, "with optimizer offload is planned (the host step keeps fp32 masters); "
-             "remove offload_optimizer or bf16_master_weights_and_grads")
-        )  # fmt: skip
+    offload = config.offload_optimizer
+    if offload is not None and offload.device == "nvme":
+        problems.append((_KEY, "with NVMe optimizer offload is planned; use device cpu"))
+    if offload is not None and offload.device != "none" and offload.ratio < 1.0:
+        problems.append((_KEY, "with a partial optimizer offload (ratio < 1) is planned"))
     if transformed:
         problems.append(
             (_KEY, "with Muon is planned (its momentum and Adam half keep fp32 state); use "

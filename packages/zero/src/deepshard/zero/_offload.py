@@ -172,7 +172,8 @@ class HostOffload:
     ) -> None:
         master, exp_avg, exp_avg_sq = self.state.acquire(sub)
         out = self.host_out[sub.group][sub.start : sub.stop]
-        kernel_out = out if out.dtype != torch.float32 else None
+        # a 16-bit master is its own 16-bit copy; an fp32 one writes the copy as it steps
+        kernel_out = out if master.dtype == torch.float32 and out.dtype != master.dtype else None
         if self._rule is not None:
             assert exp_avg is not None and exp_avg_sq is not None, "Adam keeps moments"
             h = self._rule(inner.param_groups[sub.param_group])
@@ -296,11 +297,15 @@ def _views(
     return views
 
 
-def grad_staging(subs: Sequence[SubGroup], allocate: Allocate) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two fp32 host buffers the step pipeline stages gradients in, each as large as the
-    largest sub-group (DeepSpeed keeps a whole fp32 gradient partition on the host instead)."""
+def grad_staging(
+    subs: Sequence[SubGroup], allocate: Allocate, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two host buffers the step pipeline stages gradients in, each as large as the largest
+    sub-group (DeepSpeed keeps a whole fp32 gradient partition on the host instead): fp32 for
+    the CPU Adam kernel (it reads any dtype), the masters' dtype for an optimizer stepped on
+    host master views (a gradient must match its tensor)."""
     numel = max((sub.stop - sub.start for sub in subs), default=0)
-    return allocate(numel, torch.float32), allocate(numel, torch.float32)
+    return allocate(numel, dtype), allocate(numel, dtype)
 
 
 def build_offload(
@@ -310,6 +315,7 @@ def build_offload(
     flats: Sequence[FlatParams],
     aio: AioConfig | None,
     ranges: Sequence[tuple[int, int, int, int]],
+    master_dtype: torch.dtype = torch.float32,
 ) -> HostOffload | None:
     """The host side of optimizer offload, or ``None`` when the config has none.
 
@@ -321,11 +327,12 @@ def build_offload(
         config: The ``zero_optimization`` section (``offload_optimizer``, ``sub_group_size``);
             already checked by `deepshard.zero._offload_plan.offload_problems`.
         optimizer: The inner optimizer.
-        masters: This rank's fp32 master partition of every group, on the device.
+        masters: This rank's master partition of every group, on the device.
         flats: Every group's flat parameters (their buffer gives the compute dtype).
         aio: The ``aio`` section (NVMe); ``None`` for its defaults.
         ranges: ``(unit, lo, hi, param group)``: what each param group steps of each unit's
             partition (`deepshard.zero._master_views`, uncut).
+        master_dtype: The host masters' dtype (fp32, or bf16 masters on ``device: cpu``).
     """
     section, kind = config.offload_optimizer, offload_device(config)
     if section is None or kind == "none":
@@ -345,13 +352,13 @@ def build_offload(
         state = NvmeState(masters, subs, section, aio, moment_dtype, allocate, prefix=prefix)
     else:
         host_masters = [
-            allocate(n, torch.float32).copy_(m) for n, m in zip(numels, masters, strict=True)
+            allocate(n, master_dtype).copy_(m) for n, m in zip(numels, masters, strict=True)
         ]
         state = HostState(host_masters, moment_dtype if rule else None, allocate)
     dtypes = [flat.buffer.dtype for flat in flats]
     host_out = [
         host_masters[g]
-        if host_masters is not None and dtype == torch.float32
+        if host_masters is not None and dtype == master_dtype
         else allocate(n, dtype)
         for g, (n, dtype) in enumerate(zip(numels, dtypes, strict=True))
     ]
@@ -365,5 +372,5 @@ def build_offload(
         ]
     for param_group, held in zip(optimizer.param_groups, groups, strict=True):
         param_group["params"] = [view for view in held if view.numel()]
-    staging = grad_staging(subs, allocate)
+    staging = grad_staging(subs, allocate, torch.float32 if rule else master_dtype)
     return HostOffload(subs, state, rule, views, staging, host_out, device_partitions)

@@ -109,8 +109,8 @@ class ZeroReads:
 
     @property
     def master_partitions(self) -> tuple[torch.Tensor, ...]:
-        """This rank's fp32 master partition of every unit (for an unpartitioned fp32 unit, the
-        flat parameter buffer itself; with offload, on the host)."""
+        """This rank's master partition of every unit (for an unpartitioned unit in the masters'
+        dtype, the flat parameter buffer itself; with offload, on the host)."""
         return self._offload.masters() if self._offload is not None else tuple(self._masters)
 
     def full_shape(self, param: object) -> tuple[int, ...] | None:

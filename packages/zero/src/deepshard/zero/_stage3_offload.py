@@ -89,6 +89,7 @@ def build_stage3_offload(
     ranges: Ranges,
     trainable: Sequence[int],
     aio: AioConfig | None,
+    master_dtype: torch.dtype = torch.float32,
 ) -> HostOffload | None:
     """The host side of stage-3 optimizer offload, or ``None`` when the config has none.
 
@@ -103,6 +104,7 @@ def build_stage3_offload(
         ranges: Per param group, the ``(unit, lo, hi)`` ranges it steps.
         trainable: Per unit, the elements its master covers (the partition's trainable prefix).
         aio: The ``aio`` section (NVMe).
+        master_dtype: The host masters' dtype (fp32, or bf16 masters on ``device: cpu``).
     """
     section, kind = config.offload_optimizer, offload_device(config)
     if section is None or kind == "none":
@@ -124,12 +126,12 @@ def build_stage3_offload(
         state = NvmeState(fp32, subs, section, aio, moment_dtype, allocate, prefix=prefix)
     else:
         masters = [
-            v if _own_master(u) else allocate(n, torch.float32).copy_(v)
+            v if _own_master(u, master_dtype) else allocate(n, master_dtype).copy_(v)
             for u, n, v in zip(units, numels, values, strict=True)
         ]
         state = HostState(masters, moment_dtype if rule else None, allocate)
     host_out = [
-        masters[i] if masters is not None and u.plan.dtype == torch.float32
+        masters[i] if masters is not None and u.plan.dtype == master_dtype
         else allocate(n, u.plan.dtype)
         for i, (u, n) in enumerate(zip(units, numels, strict=True))
     ]  # fmt: skip
@@ -147,19 +149,21 @@ def build_stage3_offload(
     device_share = None
     if share:  # offload_problems allows ratio < 1 with the CPU Adam kernel and host buffers
         device_share = DeviceShare(share, [v.to(device) for v in values], moment_dtype, device)
-    return HostOffload(subs, state, rule, views, grad_staging(subs, allocate), host_out, [],
+    staging = grad_staging(subs, allocate, torch.float32 if rule else master_dtype)
+    return HostOffload(subs, state, rule, views, staging, host_out, [],
                        write_back=write_back, device=device, device_share=device_share)  # fmt: skip
 
 
-def _own_master(unit: object) -> bool:
-    """Whether a unit's host partition can be its own fp32 master (an fp32 `HostHome`).
+def _own_master(unit: object, master_dtype: torch.dtype) -> bool:
+    """Whether a unit's host partition can be its own master (a `HostHome` in the masters'
+    dtype).
 
-    With ``offload_param: cpu`` in fp32 the partition already is an fp32 host buffer holding
-    the master's values, so the optimizer steps it in place instead of a copy (4 bytes per
-    parameter less host memory); the write-back of a sub-group is then a copy onto itself.
+    With ``offload_param: cpu`` in the masters' dtype the partition already is a host buffer
+    holding the master's values, so the optimizer steps it in place instead of a copy (one
+    master less of host memory); the write-back of a sub-group is then a copy onto itself.
     """
     home = getattr(unit, "home", None)
-    return isinstance(home, HostHome) and home.partition.dtype == torch.float32
+    return isinstance(home, HostHome) and home.partition.dtype == master_dtype
 
 
 def follow_partitions(offload: HostOffload, sharded: ShardedModule, units: Sequence[int]) -> None:

@@ -44,7 +44,7 @@ from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import CheckpointError, CommError, ConfigError
 from deepshard.zero._full_grads import FullGradTransform
 from deepshard.zero._master_dtype import check_param_dtypes, master_dtype_problems
-from deepshard.zero._offload_plan import offload_device, offload_problems
+from deepshard.zero._offload_plan import offload_problems
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._rgroups import mixed_group_problems
 from deepshard.zero._settings import zero_problems
@@ -131,10 +131,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         if sharded.mixed_groups:
             problems += mixed_group_problems(self.config, transformed=transformed)
         problems += tp_problems(sharded, transformed=transformed)
-        offloaded = offload_device(self.config) != "none"
-        problems += master_dtype_problems(
-            self.config, master_dtype, offloaded=offloaded, transformed=transformed
-        )
+        problems += master_dtype_problems(self.config, master_dtype, transformed=transformed)
         if problems:
             raise ConfigError.from_problems(problems)
         check_param_dtypes(master_dtype, [unit.buffer.dtype for unit in sharded.units])
@@ -160,7 +157,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
             for g in optimizer.param_groups
         ]
         self._offload = build_stage3_offload(
-            self.config, optimizer, sharded, ranges, self._trainable, aio
+            self.config, optimizer, sharded, ranges, self._trainable, aio, master_dtype
         )
         self._master_dtype = master_dtype
         host_step = self._offload is not None
@@ -348,8 +345,8 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
 
     @property
     def master_partitions(self) -> tuple[torch.Tensor, ...]:
-        """This rank's fp32 master of the trainable prefix of every unit's partition (with
-        offload, on the host)."""
+        """This rank's master of the trainable prefix of every unit's partition (with offload,
+        on the host)."""
         return self._offload.masters() if self._offload is not None else tuple(self._masters)
 
     def full_shape(self, param: object) -> tuple[int, ...] | None:

@@ -54,7 +54,6 @@ from deepshard.zero._gradients import StoreSettings
 from deepshard.zero._master_dtype import check_param_dtypes, master_dtype_problems
 from deepshard.zero._master_views import plan_master_views
 from deepshard.zero._offload import build_offload, offload_problems
-from deepshard.zero._offload_plan import offload_device
 from deepshard.zero._optimizer_check import master_view_numel, optimizer_problems
 from deepshard.zero._optimizer_reads import ZeroReads
 from deepshard.zero._owner import ZeroPartitionAccess
@@ -196,10 +195,7 @@ class ZeroOptimizer(
         given |= {"placements": placements, "comms_logger": comms_logger}
         problems += model_side_problems(self.config, sharded, given)
         problems += tp_problems(sharded, transformed=transformed)
-        offloaded = offload_device(self.config) != "none"
-        problems += master_dtype_problems(
-            self.config, master_dtype, offloaded=offloaded, transformed=transformed
-        )
+        problems += master_dtype_problems(self.config, master_dtype, transformed=transformed)
         if sharded is not None and sharded.mixed_groups:
             problems += mixed_group_problems(self.config, transformed=transformed)
         if problems:
@@ -285,7 +281,7 @@ class ZeroOptimizer(
             view_numel=master_view_numel(optimizer, transformed=full_grad_transform is not None),
         )
         self._offload = build_offload(
-            self.config, optimizer, self._masters, self._flat, self._aio, ranges
+            self.config, optimizer, self._masters, self._flat, self._aio, ranges, self._master_dtype
         )
         if self._offload is not None:  # host masters: the device keeps a compute-dtype copy
             self._masters, self._full.views = self._offload.device_partitions, self._offload.views

@@ -46,15 +46,22 @@ def _bf16_master_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
     if not config.bf16.enabled:
         problems.append((key, "needs bf16.enabled: the masters are kept in the model's bf16"))
     offload = zero.offload_optimizer
-    if offload is not None and offload.device != "none":
+    device = "none" if offload is None else offload.device
+    if device == "nvme":
+        problems.append((key, "with NVMe optimizer offload is planned; use device cpu"))
+    if device != "none" and offload is not None and offload.ratio < 1.0:
+        problems.append((key, "with a partial optimizer offload (ratio < 1) is planned"))
+    states = config.bf16.bf16_optimizer_states
+    if device == "none" and not states:
         problems.append(
-            (key, "with optimizer offload is planned (the host step keeps fp32 masters); "
-             "remove offload_optimizer")
+            (key, "keeps fp32 optimizer states beside bf16 masters only on the host (the CPU "
+             "Adam kernel, as DeepSpeed): add zero_optimization.offload_optimizer "
+             '{"device": "cpu"} or set bf16.bf16_optimizer_states: true')
         )  # fmt: skip
-    elif not config.bf16.bf16_optimizer_states:
+    if device != "none" and states:
         problems.append(
-            (key, "with fp32 optimizer states runs on the host through CPU Adam in DeepSpeed "
-             "(optimizer offload, planned here); set bf16.bf16_optimizer_states: true")
+            ("bf16.bf16_optimizer_states", "with optimizer offload is planned (the host step "
+             "keeps fp32 moments); remove it to step bf16 masters with fp32 moments on the host")
         )  # fmt: skip
     return problems
 

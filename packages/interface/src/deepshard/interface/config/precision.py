@@ -107,8 +107,9 @@ class Bf16Config(ConfigModel):
 
     bf16_master_weights_and_grads: bool = False
     """Keep the ZeRO master weights and the reduced gradients in bf16 (2 bytes each instead of
-    4). DeepShard runs it at ZeRO stages 1-3 with ``enabled`` and ``bf16_optimizer_states``;
-    optimizer offload (DeepSpeed's fp32-moment mode) is planned."""
+    4), at ZeRO stages 1-3 on a bf16 model (``enabled``): with ``bf16_optimizer_states`` on the
+    device, or with fp32 moments on the host (``offload_optimizer`` to ``cpu``, CPU Adam), as
+    DeepSpeed; NVMe and partial offload of bf16 masters are planned."""
 
     bf16_optimizer_states: bool = False
     """Keep the optimizer states in bf16 too (needs ``bf16_master_weights_and_grads``): the inner

@@ -80,9 +80,11 @@ def test_rows_of_the_feature_table_name_real_packages() -> None:
 
 def test_the_config_reference_notes_each_covered_field() -> None:
     notes = _tool().field_notes()
-    assert notes[("Fp16Config", "fp16_master_weights_and_grads")].startswith("**Status: planned**")
-    assert "fp16 master weights" in notes[("Fp16Config", "fp16_master_weights_and_grads")]
-    assert ("Bf16Config", "bf16_master_weights_and_grads") not in notes  # runs at stages 1-2
+    lr_schedule = notes[("RandomLtdLrScheduleConfig", "enabled")]
+    assert lr_schedule.startswith("**Status: planned**")
+    assert "consumed layer-tokens" in lr_schedule
+    assert ("Bf16Config", "bf16_master_weights_and_grads") not in notes  # runs at stages 1-3
+    assert ("Fp16Config", "fp16_master_weights_and_grads") not in notes  # runs with offload
     assert ("ZeroConfig", "offload_param") not in notes  # ZeRO-3 parameter offload runs
     assert ("ZeroConfig", "stage") not in notes  # stage 3 runs: no note
     assert notes[("TensorBoardConfig", "output_path")].startswith("**Status: accepted, ignored**")
@@ -100,7 +102,8 @@ def test_the_migration_guide_groups_every_key_once() -> None:
     supported, different, refused = text.split("\n### ")
     counts = [int(part.split(" keys)")[0].rsplit("(", 1)[1]) for part in text.split("### ")[1:]]
     assert sum(counts) == len(keys) == len(set(keys))
-    assert "| `fp16.fp16_master_weights_and_grads` |" in refused  # planned: refused when true
+    lr_key = "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled"
+    assert f"| `{lr_key}` |" in refused  # planned: refused when true
     assert "`bf16_optimizer_states`" in supported.split("| `bf16` |")[1].split("\n")[0]
     assert "| `sparse_gradients` |" in different  # runs; its bandwidth saving does not
     assert "| `checkpoint.load_universal` |" in different  # accepted, no effect

@@ -244,13 +244,17 @@ def test_zero_refusals_come_before_the_world_each_listed_once() -> None:
             "offload_optimizer": {"device": "cpu", "ratio": 0.5},
             "allgather_partitions": False,
         },
-        "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+        "data_efficiency": {
+            "data_routing": {
+                "random_ltd": {"enabled": True, "layer_token_lr_schedule": {"enabled": True}}
+            }
+        },
     }
     with pytest.raises(ConfigError) as caught:
         check_engine_config(DeepShardConfig.from_dict(config))
     keys = [path for path, _ in caught.value.problems]
     # each refusal once, the feature table's and ZeRO's; stage 3 and its partial offload run
     assert sorted(keys) == [
-        "fp16.fp16_master_weights_and_grads",
+        "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
         "zero_optimization.allgather_partitions",
     ]

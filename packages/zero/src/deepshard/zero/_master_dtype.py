@@ -12,17 +12,21 @@ keeps the masters and the reduced gradients in bf16 instead, in two modes:
   Adam kernel steps the bf16 masters with fp32 moments (it widens to fp32 and rounds once per
   step): host memory 2 + 8 bytes a parameter instead of 4 + 8, and no separate 16-bit copy.
 
+``fp16.fp16_master_weights_and_grads`` is DeepSpeed's fp16 form of the second mode only (fp16
+moments would underflow): fp16 masters on the host, fp32 moments, the loss scale taken off the
+fp16 gradients before the kernel widens them.
+
 What DeepShard runs, and why the rest is refused:
 
 * stages 1-3 (stage 0 has no partition to keep a master of, as DeepSpeed says);
-* a bf16 model (``bf16.enabled``): the masters are the parameters' own precision, so a
-  device-resident bf16 buffer or partition is its own master and nothing is copied;
+* a model in the masters' dtype (``bf16.enabled`` / ``fp16.enabled``): the masters are the
+  parameters' own precision, so a device-resident buffer or partition is its own master;
 * optimizer offload to ``cpu`` with the whole partition (``ratio`` 1): NVMe slots and the
   device share of a partial offload keep fp32 masters (planned);
 * no full-gradient transform (Muon): its momentum buffers and its Adam half keep fp32 state of
   their own, which is not what ``bf16_optimizer_states`` asks for (planned).
 
-The config-level rules (`bf16.enabled`, the stage, ``bf16_optimizer_states`` against offload)
+The config-level rules (``enabled``, the stage, ``bf16_optimizer_states`` against offload)
 live in `deepshard.interface.config`'s cross-checks, so ``initialize`` refuses them before
 building anything; `master_dtype_problems` repeats the ones a direct `ZeroOptimizer` caller can
 break.
@@ -39,10 +43,14 @@ from deepshard.interface.errors import ConfigError
 
 __all__ = ["MASTER_DTYPES", "check_param_dtypes", "master_dtype_problems"]
 
-MASTER_DTYPES = (torch.float32, torch.bfloat16)
+MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes ZeRO keeps masters in."""
 
-_KEY = "bf16.bf16_master_weights_and_grads"
+_KEYS = {
+    torch.bfloat16: "bf16.bf16_master_weights_and_grads",
+    torch.float16: "fp16.fp16_master_weights_and_grads",
+}
+"""The config key that asks for each 16-bit master dtype."""
 
 
 def master_dtype_problems(
@@ -61,19 +69,27 @@ def master_dtype_problems(
     if master_dtype == torch.float32:
         return []
     if master_dtype not in MASTER_DTYPES:
-        return [("master_dtype", f"must be torch.float32 or torch.bfloat16, got {master_dtype}")]
+        names = ", ".join(map(str, MASTER_DTYPES))
+        return [("master_dtype", f"must be one of {names}; got {master_dtype}")]
+    key = _KEYS[master_dtype]
     problems = []
     if config.stage == 0:
-        problems.append((_KEY, "needs zero_optimization.stage >= 1 (stage 0 keeps no masters)"))
+        problems.append((key, "needs zero_optimization.stage >= 1 (stage 0 keeps no masters)"))
     offload = config.offload_optimizer
-    if offload is not None and offload.device == "nvme":
-        problems.append((_KEY, "with NVMe optimizer offload is planned; use device cpu"))
-    if offload is not None and offload.device != "none" and offload.ratio < 1.0:
-        problems.append((_KEY, "with a partial optimizer offload (ratio < 1) is planned"))
+    device = "none" if offload is None else offload.device
+    if device == "nvme":
+        problems.append((key, "with NVMe optimizer offload is planned; use device cpu"))
+    if offload is not None and device != "none" and offload.ratio < 1.0:
+        problems.append((key, "with a partial optimizer offload (ratio < 1) is planned"))
+    if master_dtype == torch.float16 and device != "cpu":
+        problems.append(
+            (key, 'needs zero_optimization.offload_optimizer {"device": "cpu"}: fp16 masters are '
+             "stepped with fp32 moments by the CPU Adam kernel (as DeepSpeed)")
+        )  # fmt: skip
     if transformed:
         problems.append(
-            (_KEY, "with Muon is planned (its momentum and Adam half keep fp32 state); use "
-             "AdamW or remove bf16_master_weights_and_grads")
+            (key, "with Muon is planned (its momentum and Adam half keep fp32 state); use "
+             "AdamW or remove it")
         )  # fmt: skip
     return problems
 
@@ -86,7 +102,10 @@ def check_param_dtypes(master_dtype: torch.dtype, dtypes: Sequence[torch.dtype])
     """
     others = sorted({str(d) for d in dtypes if d != master_dtype})
     if master_dtype != torch.float32 and others:
+        key = _KEYS[master_dtype]
+        section = key.split(".")[0]
         raise ConfigError.from_problems(
-            [(_KEY, f"keeps {master_dtype} masters of {master_dtype} parameters, but the model "
-              f"holds {others}; enable bf16 (the engine casts the model) or cast it yourself")]
+            [(key, f"keeps {master_dtype} masters of {master_dtype} parameters, but the model "
+              f"holds {others}; enable {section} (the engine casts the model) or cast it "
+              "yourself")]
         )  # fmt: skip

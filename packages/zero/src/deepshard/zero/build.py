@@ -58,8 +58,8 @@ def build_zero_optimizer(
     Reads ``zero_optimization``, ``gradient_clipping``, ``gradient_allreduce_op``,
     ``prescale_gradients``, ``gradient_predivide_factor``, ``communication_data_type``,
     ``data_types.grad_accum_dtype``, ``zero_allow_untested_optimizer``, ``aio``,
-    ``zero_force_ds_cpu_optimizer`` (optimizer offload) and ``bf16.bf16_master_weights_and_grads``
-    (bf16 masters). Loss scaling
+    ``zero_force_ds_cpu_optimizer`` (optimizer offload) and the 16-bit master switches
+    (`master_dtype`). Loss scaling
     (``fp16``) stays with the caller, which passes the scale to ``step``.
 
     Args:
@@ -109,9 +109,7 @@ def build_zero_optimizer(
         "transformed_params": transformed_params,
         "aio": config.aio,
         "zero_force_ds_cpu_optimizer": config.zero_force_ds_cpu_optimizer,
-        "master_dtype": torch.bfloat16
-        if config.bf16.bf16_master_weights_and_grads
-        else torch.float32,
+        "master_dtype": master_dtype(config),
     }
     if sharded_module is not None:
         return ZeroOptimizer(optimizer, sharded_module, **common)
@@ -164,5 +162,15 @@ def _stage3(
         transformed_params=transformed_params,
         aio=config.aio,
         zero_force_ds_cpu_optimizer=config.zero_force_ds_cpu_optimizer,
-        master_dtype=torch.bfloat16 if config.bf16.bf16_master_weights_and_grads else torch.float32,
+        master_dtype=master_dtype(config),
     )
+
+
+def master_dtype(config: DeepShardConfig) -> torch.dtype:
+    """The masters' dtype a config asks for: bf16 (``bf16.bf16_master_weights_and_grads``),
+    fp16 (``fp16.fp16_master_weights_and_grads``) or fp32."""
+    if config.bf16.bf16_master_weights_and_grads:
+        return torch.bfloat16
+    if config.fp16.fp16_master_weights_and_grads:
+        return torch.float16
+    return torch.float32

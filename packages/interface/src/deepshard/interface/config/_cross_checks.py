@@ -34,6 +34,38 @@ def _precision_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
             problems.append(("bf16.bf16_optimizer_states", "needs zero_optimization.stage >= 1"))
     if config.bf16.bf16_master_weights_and_grads:
         problems += _bf16_master_problems(config)
+    if config.fp16.fp16_master_weights_and_grads:
+        problems += _fp16_master_problems(config)
+    return problems
+
+
+def _offload_device(config: DeepShardConfig) -> str:
+    offload = config.zero_optimization.offload_optimizer
+    return "none" if offload is None else offload.device
+
+
+def _host_master_problems(config: DeepShardConfig, key: str) -> list[tuple[str, str]]:
+    """16-bit masters on the host: NVMe and partial offload keep fp32 masters (planned)."""
+    offload, device = config.zero_optimization.offload_optimizer, _offload_device(config)
+    problems = []
+    if device == "nvme":
+        problems.append((key, "with NVMe optimizer offload is planned; use device cpu"))
+    if device != "none" and offload is not None and offload.ratio < 1.0:
+        problems.append((key, "with a partial optimizer offload (ratio < 1) is planned"))
+    return problems
+
+
+def _fp16_master_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
+    """fp16 masters run as in DeepSpeed only: on the host with fp32 moments (CPU Adam)."""
+    key = "fp16.fp16_master_weights_and_grads"
+    problems = _host_master_problems(config, key)
+    if not config.fp16.enabled:
+        problems.append((key, "needs fp16.enabled: the masters are kept in the model's fp16"))
+    if _offload_device(config) == "none":
+        problems.append(
+            (key, 'needs zero_optimization.offload_optimizer {"device": "cpu"}: fp16 masters '
+             "are stepped with fp32 moments by the CPU Adam kernel (as DeepSpeed)")
+        )  # fmt: skip
     return problems
 
 
@@ -41,16 +73,10 @@ def _bf16_master_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
     """What DeepShard's bf16 masters need beyond DeepSpeed's rules (`deepshard.zero`'s
     ``_master_dtype`` says why)."""
     key = "bf16.bf16_master_weights_and_grads"
-    zero = config.zero_optimization
-    problems = []
+    problems = _host_master_problems(config, key)
     if not config.bf16.enabled:
         problems.append((key, "needs bf16.enabled: the masters are kept in the model's bf16"))
-    offload = zero.offload_optimizer
-    device = "none" if offload is None else offload.device
-    if device == "nvme":
-        problems.append((key, "with NVMe optimizer offload is planned; use device cpu"))
-    if device != "none" and offload is not None and offload.ratio < 1.0:
-        problems.append((key, "with a partial optimizer offload (ratio < 1) is planned"))
+    device = _offload_device(config)
     states = config.bf16.bf16_optimizer_states
     if device == "none" and not states:
         problems.append(

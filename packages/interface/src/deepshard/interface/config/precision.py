@@ -49,7 +49,9 @@ class Fp16Config(ConfigModel):
     (e.g. ``0.5``). Must be positive when dynamic scaling is on; unchecked otherwise."""
 
     fp16_master_weights_and_grads: bool = False
-    """Keep master weights and gradients in fp16 (needs ZeRO stage 1-3 and a CPU optimizer)."""
+    """Keep the ZeRO master weights and the reduced gradients in fp16 (2 bytes each instead of
+    4), stepped with fp32 moments on the host: needs ``enabled``, ZeRO stage 1-3 and
+    ``offload_optimizer`` to ``cpu`` (the CPU Adam kernel), as DeepSpeed."""
 
     @field_validator("loss_scale", "min_loss_scale")
     @classmethod

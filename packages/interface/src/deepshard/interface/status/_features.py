@@ -38,13 +38,6 @@ _STAGE3_KEYS = (
 
 _PLANNED = (
     FeatureStatus(
-        "fp16.fp16_master_weights_and_grads",
-        "planned",
-        "fp16 master weights (DeepSpeed: with CPU optimizer offload only)",
-        _ZERO,
-        When("true"),
-    ),
-    FeatureStatus(
         "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
         "planned",
         "learning rate by consumed layer-tokens (DeepSpeed 0.19.7 refuses it too)",

@@ -305,3 +305,86 @@ def test_offloaded_bf16_masters_step_with_fp32_moments_like_the_kernel(stage: in
         torch.testing.assert_close(out["params"][name], value, rtol=0, atol=0)
     assert out["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float32"]
     assert out["host_bytes"] == out["master_numel"] * (2 + 4 + 4)  # not 4 + 4 + 4
+
+
+# --- fp16 masters (DeepSpeed: with CPU optimizer offload only) -------------------------------
+
+SCALE = 128.0  # a static loss scale: no overflow skips, the same unscaling in the reference
+
+
+def _fp16_offloaded(mesh: Any, stage: int) -> dict[str, Any]:
+    import deepshard.engine as ds
+
+    config = {
+        "train_batch_size": MICRO,
+        "gradient_clipping": 0.0,
+        "fp16": {"enabled": True, "loss_scale": SCALE, "fp16_master_weights_and_grads": True},
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}},
+    }
+    model = _model()
+    engine, *_ = ds.initialize(
+        model, config, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), mesh=mesh
+    )
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.half() for t in _batch(step, 0))
+        loss = _loss(engine, (x, y))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float()))
+    masters, exp_avg, exp_avg_sq = engine.optimizer._offload.state.whole()
+    return {
+        "losses": losses,
+        "params": _params(engine, stage),
+        "dtypes": [str(t[0].dtype) for t in (masters, exp_avg, exp_avg_sq)],
+    }
+
+
+def _fp16_reference() -> dict[str, Any]:
+    """DeepShard's AdamW (fp32 moments, the CPU kernel) on an fp16 model, the loss scaled by
+    `SCALE` in fp32 as the engine scales it and the fp16 gradients unscaled in place."""
+    from deepshard.optimizers import AdamW
+
+    model = _model().half()
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.half() for t in _batch(step, 0))
+        loss = _loss(model, (x, y))
+        (loss.float() * SCALE).backward()
+        for param in model.parameters():
+            assert param.grad is not None
+            param.grad.mul_(1.0 / SCALE)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach().float()))
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_masters_step_on_the_host_like_the_kernel(stage: int) -> None:
+    [out] = run_on_mesh(_fp16_offloaded, 1, args=(stage,), timeout_s=120)
+    ref = _fp16_reference()
+    assert out["losses"] == ref["losses"]
+    for name, value in ref["params"].items():
+        assert out["params"][name].dtype == torch.float16
+        torch.testing.assert_close(out["params"][name], value, rtol=0, atol=0)
+    assert out["dtypes"] == ["torch.float16", "torch.float32", "torch.float32"]
+
+
+def test_fp16_masters_need_fp16_and_cpu_offload() -> None:
+    key = "fp16.fp16_master_weights_and_grads"
+
+    def problems(fp16: dict[str, Any], zero: dict[str, Any]) -> str:
+        config = {"train_batch_size": 2, "fp16": fp16, "zero_optimization": zero}
+        with pytest.raises(ConfigError) as caught:
+            DeepShardConfig.from_dict(config)
+        return str(caught.value)
+
+    on = {"enabled": True, "fp16_master_weights_and_grads": True}
+    cpu = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert key in problems(on, {"stage": 2}) and '{"device": "cpu"}' in problems(on, {"stage": 2})
+    assert "needs fp16.enabled" in problems(on | {"enabled": False}, cpu)
+    nvme = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}
+    assert "NVMe optimizer offload is planned" in problems(on, nvme)
+    DeepShardConfig.from_dict({"train_batch_size": 2, "fp16": on, "zero_optimization": cpu})

@@ -8,9 +8,10 @@ keeps the masters and the reduced gradients in bf16 instead, in two modes:
 * with ``bf16_optimizer_states`` the states follow too: the inner optimizer simply steps bf16
   tensors (a torch or DeepShard Adam allocates its moments like its parameters), so a parameter
   costs 2 + 2 + 4 bytes of ZeRO state instead of 4 + 4 + 8;
-* without it, the masters live on the host (``offload_optimizer: {device: cpu}``) and the CPU
-  Adam kernel steps the bf16 masters with fp32 moments (it widens to fp32 and rounds once per
-  step): host memory 2 + 8 bytes a parameter instead of 4 + 8, and no separate 16-bit copy.
+* without it, the masters live on the host (``offload_optimizer``, ``cpu`` or ``nvme``) and the
+  CPU Adam kernel steps the bf16 masters with fp32 moments (it widens to fp32 and rounds once
+  per step): 2 + 8 bytes a parameter instead of 4 + 8, and no separate 16-bit copy. With both
+  switches the offloaded moments are bf16 too (`host_moment_dtype`).
 
 ``fp16.fp16_master_weights_and_grads`` is DeepSpeed's fp16 form of the second mode only (fp16
 moments would underflow): fp16 masters on the host, fp32 moments, the loss scale taken off the
@@ -21,8 +22,8 @@ What DeepShard runs, and why the rest is refused:
 * stages 1-3 (stage 0 has no partition to keep a master of, as DeepSpeed says);
 * a model in the masters' dtype (``bf16.enabled`` / ``fp16.enabled``): the masters are the
   parameters' own precision, so a device-resident buffer or partition is its own master;
-* optimizer offload to ``cpu`` with the whole partition (``ratio`` 1): NVMe slots and the
-  device share of a partial offload keep fp32 masters (planned);
+* optimizer offload of the whole partition (``ratio`` 1), to ``cpu`` or ``nvme``: the device
+  share of a partial offload keeps fp32 masters (planned);
 * no full-gradient transform (Muon): its momentum buffers and its Adam half keep fp32 state of
   their own, which is not what ``bf16_optimizer_states`` asks for (planned).
 
@@ -41,7 +42,7 @@ import torch
 from deepshard.interface.config import ZeroConfig
 from deepshard.interface.errors import ConfigError
 
-__all__ = ["MASTER_DTYPES", "check_param_dtypes", "master_dtype_problems"]
+__all__ = ["MASTER_DTYPES", "check_param_dtypes", "host_moment_dtype", "master_dtype_problems"]
 
 MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes ZeRO keeps masters in."""
@@ -77,14 +78,12 @@ def master_dtype_problems(
         problems.append((key, "needs zero_optimization.stage >= 1 (stage 0 keeps no masters)"))
     offload = config.offload_optimizer
     device = "none" if offload is None else offload.device
-    if device == "nvme":
-        problems.append((key, "with NVMe optimizer offload is planned; use device cpu"))
     if offload is not None and device != "none" and offload.ratio < 1.0:
         problems.append((key, "with a partial optimizer offload (ratio < 1) is planned"))
-    if master_dtype == torch.float16 and device != "cpu":
+    if master_dtype == torch.float16 and device == "none":
         problems.append(
-            (key, 'needs zero_optimization.offload_optimizer {"device": "cpu"}: fp16 masters are '
-             "stepped with fp32 moments by the CPU Adam kernel (as DeepSpeed)")
+            (key, 'needs zero_optimization.offload_optimizer ("cpu" or "nvme"): fp16 masters '
+             "are stepped with fp32 moments by the CPU Adam kernel (as DeepSpeed)")
         )  # fmt: skip
     if transformed:
         problems.append(
@@ -109,3 +108,19 @@ def check_param_dtypes(master_dtype: torch.dtype, dtypes: Sequence[torch.dtype])
               f"holds {others}; enable {section} (the engine casts the model) or cast it "
               "yourself")]
         )  # fmt: skip
+
+
+def host_moment_dtype(
+    optimizer: object, master_dtype: torch.dtype, state_dtype: torch.dtype | None
+) -> torch.dtype:
+    """The dtype of the Adam moments the CPU Adam kernel keeps with optimizer offload.
+
+    ``state_dtype`` when given (``bf16_optimizer_states``); else fp32, unless the optimizer says
+    ``fp32_optimizer_states=False`` (DeepShard's CPU Adam), then 16 bits as the kernel pairs
+    them: fp16 beside fp16 masters, bf16 otherwise.
+    """
+    if state_dtype is not None:
+        return state_dtype
+    if getattr(optimizer, "fp32_optimizer_states", True) is not False:
+        return torch.float32
+    return torch.float16 if master_dtype == torch.float16 else torch.bfloat16

@@ -37,6 +37,7 @@ from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.interface.errors import CheckpointError
 from deepshard.kernels import cpu_adam_step
 from deepshard.zero._flat_params import FlatParams, master_views
+from deepshard.zero._master_dtype import host_moment_dtype
 from deepshard.zero._offload_plan import (
     AdamRule,
     SubGroup,
@@ -316,6 +317,7 @@ def build_offload(
     aio: AioConfig | None,
     ranges: Sequence[tuple[int, int, int, int]],
     master_dtype: torch.dtype = torch.float32,
+    state_dtype: torch.dtype | None = None,
 ) -> HostOffload | None:
     """The host side of optimizer offload, or ``None`` when the config has none.
 
@@ -332,7 +334,8 @@ def build_offload(
         aio: The ``aio`` section (NVMe); ``None`` for its defaults.
         ranges: ``(unit, lo, hi, param group)``: what each param group steps of each unit's
             partition (`deepshard.zero._master_views`, uncut).
-        master_dtype: The host masters' dtype (fp32, or bf16 masters on ``device: cpu``).
+        master_dtype: The host masters' dtype (fp32, or 16-bit masters).
+        state_dtype: The moments' dtype (``bf16_optimizer_states``); None: `host_moment_dtype`.
     """
     section, kind = config.offload_optimizer, offload_device(config)
     if section is None or kind == "none":
@@ -342,8 +345,7 @@ def build_offload(
     allocate = host_allocator(_accelerator(device), section.pin_memory)
     numels = [m.numel() for m in masters]
     subs = plan_sub_groups(ranges, config.sub_group_size)
-    fp32_states = getattr(optimizer, "fp32_optimizer_states", True) is not False
-    moment_dtype = torch.float32 if fp32_states else torch.bfloat16
+    moment_dtype = host_moment_dtype(optimizer, master_dtype, state_dtype)
     state: HostState | NvmeState
     host_masters: list[torch.Tensor] | None = None
     if kind == "nvme":

@@ -122,8 +122,10 @@ class HostState:
 class _Slot:
     """Host buffers for one sub-group's three tensors, and the I/O pending on them."""
 
-    def __init__(self, numel: int, moment_dtype: torch.dtype, allocate: Allocate) -> None:
-        dtypes = (torch.float32, moment_dtype, moment_dtype)
+    def __init__(
+        self, numel: int, master_dtype: torch.dtype, moment_dtype: torch.dtype, allocate: Allocate
+    ) -> None:
+        dtypes = (master_dtype, moment_dtype, moment_dtype)
         self.tensors = [allocate(numel, dtype) for dtype in dtypes]
         self.sub: SubGroup | None = None
         self.reads: list[SwapRequest] = []
@@ -137,8 +139,8 @@ class NvmeState:
     """Masters and moments of every sub-group in files, moved through a ring of host slots.
 
     Args:
-        masters: This rank's fp32 master partition of every group (any device), written to the
-            files once and not kept.
+        masters: This rank's master partition of every group (any device; fp32, or 16-bit
+            masters), written to the files once and not kept.
         subs: The sub-groups.
         section: The ``offload_optimizer`` section (``nvme_path``, ``buffer_count``,
             ``pipeline_read``, ``pipeline_write``).
@@ -177,7 +179,9 @@ class NvmeState:
         self._read_ahead, self._write_behind = section.pipeline_read, section.pipeline_write
         count = 1 + self._read_ahead + self._write_behind
         largest = max((sub.numel for sub in subs), default=0)
-        self._slots = [_Slot(largest, moment_dtype, allocate) for _ in range(count)]
+        self._master_dtype = masters[0].dtype if masters else torch.float32
+        slot = (largest, self._master_dtype, moment_dtype, allocate)
+        self._slots = [_Slot(*slot) for _ in range(count)]
         self._subs = list(subs)
         self._order = {sub: k for k, sub in enumerate(subs)}
         self._numels = [m.numel() for m in masters]
@@ -195,8 +199,10 @@ class NvmeState:
         return f"group{group}.{name}"
 
     def _offset(self, sub: SubGroup, name: str) -> int:
-        itemsize = 4 if name == "master" else self._moment_dtype.itemsize
-        return sub.start * itemsize
+        return sub.start * self._dtype(name).itemsize
+
+    def _dtype(self, name: str) -> torch.dtype:
+        return self._master_dtype if name == "master" else self._moment_dtype
 
     def _write(
         self, k: int, sub: SubGroup, sources: Sequence[torch.Tensor], *, names: Sequence[str]
@@ -271,7 +277,7 @@ class NvmeState:
         self.finish()
         states = []
         for name in STATE_NAMES:
-            dtype = torch.float32 if name == "master" else self._moment_dtype
+            dtype = self._dtype(name)
             per_group = [torch.zeros(n, dtype=dtype) for n in self._numels]
             for sub in self._subs:
                 if name == "master" or sub not in self._fresh:
@@ -295,7 +301,7 @@ class NvmeState:
         """Elements ``[lo, hi)`` of one state (`STATE_NAMES`) of ``group``, read from its file
         into a new host tensor (zero where no sub-group was stepped yet, or none covers)."""
         self.finish()
-        dtype = torch.float32 if name == "master" else self._moment_dtype
+        dtype = self._dtype(name)
         out = torch.zeros(hi - lo, dtype=dtype)
         for sub, a, b in self._overlapping(group, lo, hi):
             if name != "master" and sub in self._fresh:
@@ -311,7 +317,7 @@ class NvmeState:
         rest of its range then reads as the zeros it stood for).
         """
         self.finish()
-        dtype = torch.float32 if name == "master" else self._moment_dtype
+        dtype = self._dtype(name)
         host = values.detach().to("cpu", dtype).reshape(-1).contiguous()
         for sub, a, b in self._overlapping(group, lo, lo + host.numel()):
             if name != "master" and sub in self._fresh:

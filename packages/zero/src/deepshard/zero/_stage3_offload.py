@@ -34,6 +34,7 @@ import torch
 
 from deepshard.interface.config import AioConfig, ZeroConfig
 from deepshard.zero._flat_params import master_views
+from deepshard.zero._master_dtype import host_moment_dtype
 from deepshard.zero._offload import HostOffload, Views, _accelerator, grad_staging
 from deepshard.zero._offload_plan import SubGroup, adam_rule, offload_device
 from deepshard.zero._offload_state import HostState, NvmeState, host_allocator
@@ -90,6 +91,7 @@ def build_stage3_offload(
     trainable: Sequence[int],
     aio: AioConfig | None,
     master_dtype: torch.dtype = torch.float32,
+    state_dtype: torch.dtype | None = None,
 ) -> HostOffload | None:
     """The host side of stage-3 optimizer offload, or ``None`` when the config has none.
 
@@ -104,7 +106,8 @@ def build_stage3_offload(
         ranges: Per param group, the ``(unit, lo, hi)`` ranges it steps.
         trainable: Per unit, the elements its master covers (the partition's trainable prefix).
         aio: The ``aio`` section (NVMe).
-        master_dtype: The host masters' dtype (fp32, or bf16 masters on ``device: cpu``).
+        master_dtype: The host masters' dtype (fp32, or 16-bit masters).
+        state_dtype: The moments' dtype (``bf16_optimizer_states``); None: `host_moment_dtype`.
     """
     section, kind = config.offload_optimizer, offload_device(config)
     if section is None or kind == "none":
@@ -116,14 +119,13 @@ def build_stage3_offload(
     share, subs = split_sub_groups(stage3_sub_groups(ranges), section.ratio)
     numels = list(trainable)
     values = [u.home.read()[:n] for u, n in zip(units, numels, strict=True)]
-    fp32_states = getattr(optimizer, "fp32_optimizer_states", True) is not False
-    moment_dtype = torch.float32 if fp32_states else torch.bfloat16
+    moment_dtype = host_moment_dtype(optimizer, master_dtype, state_dtype)
     state: HostState | NvmeState
     masters: list[torch.Tensor] | None = None
     if kind == "nvme":
         prefix, aio = f"zero3-pid{os.getpid()}-", aio if aio is not None else AioConfig()
-        fp32 = [v.float() for v in values]
-        state = NvmeState(fp32, subs, section, aio, moment_dtype, allocate, prefix=prefix)
+        own = [v.to(master_dtype) for v in values]
+        state = NvmeState(own, subs, section, aio, moment_dtype, allocate, prefix=prefix)
     else:
         masters = [
             v if _own_master(u, master_dtype) else allocate(n, master_dtype).copy_(v)

@@ -97,6 +97,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         master_dtype: fp32, or bf16 masters (``bf16_master_weights_and_grads``; a device-resident
             bf16 partition is then its own master, the reduced gradients are handed over in bf16
             and the moments follow; `deepshard.zero._master_dtype`).
+        state_dtype: With optimizer offload, the host moments' dtype (as `ZeroOptimizer`).
 
     Raises:
         ConfigError: Unsupported settings, an unsuitable optimizer, a parameter that is not the
@@ -119,6 +120,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         aio: AioConfig | None = None,
         zero_force_ds_cpu_optimizer: bool = True,
         master_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config if config is not None else ZeroConfig(stage=3)
         transformed = full_grad_transform is not None
@@ -157,7 +159,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
             for g in optimizer.param_groups
         ]
         self._offload = build_stage3_offload(
-            self.config, optimizer, sharded, ranges, self._trainable, aio, master_dtype
+            self.config, optimizer, sharded, ranges, self._trainable, aio, master_dtype, state_dtype
         )
         self._master_dtype = master_dtype
         host_step = self._offload is not None

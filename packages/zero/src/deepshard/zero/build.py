@@ -110,6 +110,7 @@ def build_zero_optimizer(
         "aio": config.aio,
         "zero_force_ds_cpu_optimizer": config.zero_force_ds_cpu_optimizer,
         "master_dtype": master_dtype(config),
+        "state_dtype": torch.bfloat16 if config.bf16.bf16_optimizer_states else None,
     }
     if sharded_module is not None:
         return ZeroOptimizer(optimizer, sharded_module, **common)
@@ -163,6 +164,7 @@ def _stage3(
         aio=config.aio,
         zero_force_ds_cpu_optimizer=config.zero_force_ds_cpu_optimizer,
         master_dtype=master_dtype(config),
+        state_dtype=torch.bfloat16 if config.bf16.bf16_optimizer_states else None,
     )
 
 

@@ -139,6 +139,9 @@ class ZeroOptimizer(
             steps them with: fp32, or bf16 (``bf16_master_weights_and_grads``: stages 1-3, a
             bf16 model, no optimizer offload; the optimizer's states then follow in bf16, see
             `deepshard.zero._master_dtype`).
+        state_dtype: With optimizer offload, the dtype of the moments the CPU Adam kernel keeps
+            (``bf16_optimizer_states``); None: fp32 unless the optimizer says
+            ``fp32_optimizer_states=False``. On the device the inner optimizer allocates its own.
 
     Raises:
         ConfigError: Unsupported settings, an unsuitable optimizer, param groups mixing dtypes,
@@ -180,6 +183,7 @@ class ZeroOptimizer(
         aio: AioConfig | None = None,
         zero_force_ds_cpu_optimizer: bool = True,
         master_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = sharded_section(config, sharded)
         transformed = full_grad_transform is not None
@@ -212,7 +216,7 @@ class ZeroOptimizer(
                 named_parameters,
                 placements,
             )
-        self._master_dtype = master_dtype
+        self._master_dtype, self._state_dtype = master_dtype, state_dtype
         self._build(optimizer, sharded, gradient_clipping, norm_type, aio)
         self._full_path(optimizer, full_grad_transform, transformed_params)
 
@@ -281,8 +285,9 @@ class ZeroOptimizer(
             view_numel=master_view_numel(optimizer, transformed=full_grad_transform is not None),
         )
         self._offload = build_offload(
-            self.config, optimizer, self._masters, self._flat, self._aio, ranges, self._master_dtype
-        )
+            self.config, optimizer, self._masters, self._flat, self._aio, ranges,
+            master_dtype=self._master_dtype, state_dtype=self._state_dtype,
+        )  # fmt: skip
         if self._offload is not None:  # host masters: the device keeps a compute-dtype copy
             self._masters, self._full.views = self._offload.device_partitions, self._offload.views
         self._store = split_store(

@@ -45,11 +45,10 @@ def _offload_device(config: DeepShardConfig) -> str:
 
 
 def _host_master_problems(config: DeepShardConfig, key: str) -> list[tuple[str, str]]:
-    """16-bit masters on the host: NVMe and partial offload keep fp32 masters (planned)."""
+    """16-bit masters on the host: a partial offload's device share keeps fp32 masters
+    (planned)."""
     offload, device = config.zero_optimization.offload_optimizer, _offload_device(config)
     problems = []
-    if device == "nvme":
-        problems.append((key, "with NVMe optimizer offload is planned; use device cpu"))
     if device != "none" and offload is not None and offload.ratio < 1.0:
         problems.append((key, "with a partial optimizer offload (ratio < 1) is planned"))
     return problems
@@ -63,8 +62,8 @@ def _fp16_master_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
         problems.append((key, "needs fp16.enabled: the masters are kept in the model's fp16"))
     if _offload_device(config) == "none":
         problems.append(
-            (key, 'needs zero_optimization.offload_optimizer {"device": "cpu"}: fp16 masters '
-             "are stepped with fp32 moments by the CPU Adam kernel (as DeepSpeed)")
+            (key, 'needs zero_optimization.offload_optimizer {"device": "cpu"} (or "nvme"): fp16 '
+             "masters are stepped with fp32 moments by the CPU Adam kernel (as DeepSpeed)")
         )  # fmt: skip
     return problems
 
@@ -83,11 +82,6 @@ def _bf16_master_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
             (key, "keeps fp32 optimizer states beside bf16 masters only on the host (the CPU "
              "Adam kernel, as DeepSpeed): add zero_optimization.offload_optimizer "
              '{"device": "cpu"} or set bf16.bf16_optimizer_states: true')
-        )  # fmt: skip
-    if device != "none" and states:
-        problems.append(
-            ("bf16.bf16_optimizer_states", "with optimizer offload is planned (the host step "
-             "keeps fp32 moments); remove it to step bf16 masters with fp32 moments on the host")
         )  # fmt: skip
     return problems
 

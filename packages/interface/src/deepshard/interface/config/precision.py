@@ -51,7 +51,7 @@ class Fp16Config(ConfigModel):
     fp16_master_weights_and_grads: bool = False
     """Keep the ZeRO master weights and the reduced gradients in fp16 (2 bytes each instead of
     4), stepped with fp32 moments on the host: needs ``enabled``, ZeRO stage 1-3 and
-    ``offload_optimizer`` to ``cpu`` (the CPU Adam kernel), as DeepSpeed."""
+    ``offload_optimizer`` (the CPU Adam kernel), as DeepSpeed."""
 
     @field_validator("loss_scale", "min_loss_scale")
     @classmethod
@@ -110,12 +110,13 @@ class Bf16Config(ConfigModel):
     bf16_master_weights_and_grads: bool = False
     """Keep the ZeRO master weights and the reduced gradients in bf16 (2 bytes each instead of
     4), at ZeRO stages 1-3 on a bf16 model (``enabled``): with ``bf16_optimizer_states`` on the
-    device, or with fp32 moments on the host (``offload_optimizer`` to ``cpu``, CPU Adam), as
-    DeepSpeed; NVMe and partial offload of bf16 masters are planned."""
+    device, or stepped on the host by CPU Adam (``offload_optimizer``), as DeepSpeed; a partial
+    offload (``ratio`` < 1) of bf16 masters is planned."""
 
     bf16_optimizer_states: bool = False
     """Keep the optimizer states in bf16 too (needs ``bf16_master_weights_and_grads``): the inner
-    optimizer steps bf16 masters and allocates its moments like them."""
+    optimizer steps bf16 masters and allocates its moments like them; with optimizer offload the
+    CPU Adam kernel keeps bf16 moments."""
 
 
 class DataTypesConfig(ConfigModel):

@@ -45,6 +45,9 @@ def test_stages_parse_and_select_their_rows() -> None:
     assert names[:2] == ["fsdp2", "fsdp2-offload-all"] and "ddp" not in names
     assert "deepshard-3-offload-opt" in names and "deepspeed-3-offload-all" in names
     assert "ddp" not in [c.name for c in _zero_lineup.select((0,), None, "bf16")]
+    bf16_masters = ["deepspeed-2-bf16-masters", "deepshard-2-bf16-masters"]
+    assert [c.name for c in _zero_lineup.select((2,), None, "bf16")][-2:] == bf16_masters
+    assert not set(bf16_masters) & {c.name for c in _zero_lineup.select((2,), None, "fp32")}
     with pytest.raises(ValueError, match="--competitors: unknown"):
         _zero_lineup.select((3,), ["fsdp3"], "fp32")
     with pytest.raises(ValueError, match="leaves no competitor"):
@@ -65,6 +68,14 @@ def test_each_row_gets_the_config_its_name_says() -> None:
     assert full["zero_optimization"]["offload_param"] == {"device": "cpu"}  # type: ignore[index]
     assert full["bf16"] == {"enabled": True} and "bf16" not in plain
     assert config("deepspeed-3") == plain  # both engines get the same dict
+    masters = config("deepshard-2-bf16-masters", "bf16")
+    assert masters["bf16"] == {
+        "enabled": True,
+        "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True,
+    }
+    assert masters == config("deepspeed-2-bf16-masters", "bf16")
+    assert masters["zero_optimization"] == config("deepshard-2")["zero_optimization"]
     assert _zero_competitors.fsdp2_policy("fp32").param_dtype is None
     bf16 = _zero_competitors.fsdp2_policy("bf16")
     assert bf16.param_dtype == bf16.reduce_dtype == torch.bfloat16

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 Family = Literal["ddp", "fsdp2", "deepspeed", "deepshard"]
 Offload = Literal["none", "optimizer", "all"]
+Masters = Literal["fp32", "bf16"]
 Measure = Literal["best_s", "rss_delta"]
 
 LR = 1e-3
@@ -38,13 +39,17 @@ class Competitor:
     """The ZeRO stage (DDP counts as 0, FSDP2 as 3)."""
     offload: Offload = "none"
     """What lives on the host: nothing, optimizer state, or parameters and optimizer state."""
+    masters: Masters = "fp32"
+    """The ZeRO masters' dtype: ``bf16`` is DeepSpeed's ``bf16_master_weights_and_grads`` with
+    ``bf16_optimizer_states`` (bf16 runs only)."""
 
     @property
     def name(self) -> str:
-        """The row's name, e.g. ``deepshard-3-offload-opt``."""
+        """The row's name, e.g. ``deepshard-3-offload-opt`` or ``deepshard-2-bf16-masters``."""
         if self.family in ("ddp", "fsdp2"):
             return self.family + _SUFFIX[self.offload]
-        return f"{self.family}-{self.stage}{_SUFFIX[self.offload]}"
+        masters = "-bf16-masters" if self.masters == "bf16" else ""
+        return f"{self.family}-{self.stage}{_SUFFIX[self.offload]}{masters}"
 
 
 _ENGINES: tuple[Family, ...] = ("deepspeed", "deepshard")
@@ -56,6 +61,7 @@ LINEUP = (
     Competitor("fsdp2", 3),
     Competitor("fsdp2", 3, "all"),
     *(Competitor(family, 3, offload) for family in _ENGINES for offload in _OFFLOADS),
+    *(Competitor(family, 2, masters="bf16") for family in _ENGINES),
 )
 BY_NAME = {c.name: c for c in LINEUP}
 
@@ -90,6 +96,9 @@ PAIRINGS = (
     Pairing("deepshard-3", "fsdp2", "rss_delta", 1.0),
     Pairing("deepshard-3-offload-all", "fsdp2-offload-all", "rss_delta", 1.0),
     Pairing("deepshard-3", "deepspeed-3", "rss_delta", None),
+    _time("deepshard-2-bf16-masters", "deepspeed-2-bf16-masters", 1.0),
+    Pairing("deepshard-2-bf16-masters", "deepspeed-2-bf16-masters", "rss_delta", None),
+    Pairing("deepshard-2-bf16-masters", "deepshard-2", "rss_delta", None),  # what bf16 saves
 )
 
 
@@ -116,7 +125,8 @@ def select(stages: tuple[int, ...], names: list[str] | None, dtype: str) -> list
     """The line-up for ``stages``, narrowed to ``names`` when given, in `LINEUP` order.
 
     DDP is the stage 0-2 baseline and trains in fp32 only (its bf16 would be a bf16 model with
-    bf16 optimizer state, not mixed precision), so it is left out under ``bf16``.
+    bf16 optimizer state, not mixed precision), so it is left out under ``bf16``; the bf16-master
+    rows need a bf16 model, so they race under ``bf16`` only.
 
     Raises:
         ValueError: An unknown name, or nothing left to race (the message names the flags).
@@ -127,6 +137,8 @@ def select(stages: tuple[int, ...], names: list[str] | None, dtype: str) -> list
     chosen = [c for c in LINEUP if c.stage in stages and (names is None or c.name in names)]
     if dtype != "fp32":
         chosen = [c for c in chosen if c.family != "ddp"]
+    else:
+        chosen = [c for c in chosen if c.masters == "fp32"]
     if not chosen:
         raise ValueError(
             f"--stages {','.join(map(str, stages))} with --competitors {names} and --dtype "
@@ -160,4 +172,6 @@ def engine_config(competitor: Competitor, micro_batch: int, dtype: str) -> dict[
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+        if competitor.masters == "bf16":
+            config["bf16"] |= {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     return config

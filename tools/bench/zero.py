@@ -27,7 +27,8 @@ are about use the fastest step, the one least disturbed by other load on a share
 the median ratio is printed beside it. Targets (`_zero_lineup.PAIRINGS`), each MET or MISSED:
 DeepShard stage K <= 1.0x DeepSpeed stage K and stages 0-2 <= 1.1x DDP; stage 3 <= 0.95x FSDP2
 and <= 0.9x DeepSpeed ZeRO-3; optimizer offload <= 0.9x DeepSpeed's; peak memory per rank <=
-FSDP2's (plain and offload-all).
+FSDP2's (plain and offload-all); under ``--dtype bf16`` the stage-2 ``-bf16-masters`` rows
+(``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``) <= 1.0x DeepSpeed's.
 
 Memory per rank is the **peak resident-set growth** of the rank process (Linux ``VmHWM`` after
 resetting it through ``/proc/self/clear_refs``, minus ``VmRSS`` at start), the larger of the two

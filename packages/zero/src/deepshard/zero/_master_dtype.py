@@ -22,8 +22,8 @@ What DeepShard runs, and why the rest is refused:
 * stages 1-3 (stage 0 has no partition to keep a master of, as DeepSpeed says);
 * a model in the masters' dtype (``bf16.enabled`` / ``fp16.enabled``): the masters are the
   parameters' own precision, so a device-resident buffer or partition is its own master;
-* optimizer offload of the whole partition (``ratio`` 1), to ``cpu`` or ``nvme``: the device
-  share of a partial offload keeps fp32 masters (planned);
+* any optimizer offload (``cpu``, ``nvme``, a partial ``ratio``: its device share keeps
+  16-bit masters too and steps them widened to fp32, as the kernel does);
 * no full-gradient transform (Muon): its momentum buffers and its Adam half keep fp32 state of
   their own, which is not what ``bf16_optimizer_states`` asks for (planned).
 
@@ -78,8 +78,6 @@ def master_dtype_problems(
         problems.append((key, "needs zero_optimization.stage >= 1 (stage 0 keeps no masters)"))
     offload = config.offload_optimizer
     device = "none" if offload is None else offload.device
-    if offload is not None and device != "none" and offload.ratio < 1.0:
-        problems.append((key, "with a partial optimizer offload (ratio < 1) is planned"))
     if master_dtype == torch.float16 and device == "none":
         problems.append(
             (key, 'needs zero_optimization.offload_optimizer ("cpu" or "nvme"): fp16 masters '

@@ -4,7 +4,8 @@ DeepSpeed's hybrid: of the stage-3 sub-groups (`deepshard.zero._stage3_offload.s
 in unit order), the first ``int((1 - ratio) · n)`` are stepped on the device and the other
 ``ratio`` share on the host, through the offload pipeline (`deepshard.zero._offload.HostOffload`)
 unchanged. DeepSpeed steps its device share with a backup ``torch.optim.AdamW``; here a
-`DeviceShare` keeps each device sub-group's fp32 master and both Adam moments on the device and
+`DeviceShare` keeps each device sub-group's master (fp32, or the 16-bit masters' dtype) and both
+Adam moments on the device and
 applies the CPU Adam kernel's formula with torch operations, with the hyper-parameters the
 kernel reads (`deepshard.zero._offload_plan.AdamRule`, every step, so LR schedules hold) and the
 offload's step count. The stepped master goes back through the unit's home, like a host
@@ -49,10 +50,12 @@ def adam_update(
     step: int,
 ) -> None:
     """One Adam step of ``master`` in place: the CPU Adam kernel's formula in torch operations
-    (fp32 math; 16-bit moments are widened, then stored back rounded, as the kernel does)."""
+    (fp32 math; a 16-bit master and 16-bit moments are widened, then stored back rounded once,
+    as the kernel does)."""
     grad = grad.float()
+    param = master.float()  # the master itself when fp32
     if hyper.weight_decay and not hyper.adamw_mode:
-        grad = grad.add(master, alpha=hyper.weight_decay)  # Adam's L2 term
+        grad = grad.add(param, alpha=hyper.weight_decay)  # Adam's L2 term
     m, v = exp_avg.float(), exp_avg_sq.float()  # the moments themselves when fp32
     m.mul_(hyper.beta1).add_(grad, alpha=1.0 - hyper.beta1)
     v.mul_(hyper.beta2).addcmul_(grad, grad, value=1.0 - hyper.beta2)
@@ -60,9 +63,11 @@ def adam_update(
     if hyper.bias_correction:
         first, second = 1.0 - hyper.beta1**step, 1.0 - hyper.beta2**step
     if hyper.weight_decay and hyper.adamw_mode:
-        master.mul_(1.0 - hyper.lr * hyper.weight_decay)
+        param.mul_(1.0 - hyper.lr * hyper.weight_decay)
     denom = (v.sqrt() / math.sqrt(second)).add_(hyper.eps)
-    master.addcdiv_(m, denom, value=-hyper.lr / first)
+    param.addcdiv_(m, denom, value=-hyper.lr / first)
+    if param.data_ptr() != master.data_ptr():
+        master.copy_(param)
     if m.data_ptr() != exp_avg.data_ptr():
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
@@ -76,6 +81,7 @@ class DeviceShare:
         values: Per unit, this rank's partition values (the masters start from them).
         moment_dtype: The moments' dtype (``fp32_optimizer_states``).
         device: The compute device.
+        master_dtype: The masters' dtype (fp32, or 16-bit masters).
     """
 
     def __init__(
@@ -84,10 +90,11 @@ class DeviceShare:
         values: Sequence[torch.Tensor],
         moment_dtype: torch.dtype,
         device: torch.device,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.sub_groups = tuple(subs)
         self.masters = [
-            values[s.group][s.start : s.stop].to(device, torch.float32, copy=True) for s in subs
+            values[s.group][s.start : s.stop].to(device, master_dtype, copy=True) for s in subs
         ]
         self.moments = [
             [torch.zeros(s.numel, dtype=moment_dtype, device=device) for s in subs]

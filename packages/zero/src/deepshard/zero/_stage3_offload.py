@@ -150,7 +150,8 @@ def build_stage3_offload(
 
     device_share = None
     if share:  # offload_problems allows ratio < 1 with the CPU Adam kernel and host buffers
-        device_share = DeviceShare(share, [v.to(device) for v in values], moment_dtype, device)
+        on_device = [v.to(device) for v in values]
+        device_share = DeviceShare(share, on_device, moment_dtype, device, master_dtype)
     staging = grad_staging(subs, allocate, torch.float32 if rule else master_dtype)
     return HostOffload(subs, state, rule, views, staging, host_out, [],
                        write_back=write_back, device=device, device_share=device_share)  # fmt: skip

@@ -44,20 +44,10 @@ def _offload_device(config: DeepShardConfig) -> str:
     return "none" if offload is None else offload.device
 
 
-def _host_master_problems(config: DeepShardConfig, key: str) -> list[tuple[str, str]]:
-    """16-bit masters on the host: a partial offload's device share keeps fp32 masters
-    (planned)."""
-    offload, device = config.zero_optimization.offload_optimizer, _offload_device(config)
-    problems = []
-    if device != "none" and offload is not None and offload.ratio < 1.0:
-        problems.append((key, "with a partial optimizer offload (ratio < 1) is planned"))
-    return problems
-
-
 def _fp16_master_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
     """fp16 masters run as in DeepSpeed only: on the host with fp32 moments (CPU Adam)."""
     key = "fp16.fp16_master_weights_and_grads"
-    problems = _host_master_problems(config, key)
+    problems: list[tuple[str, str]] = []
     if not config.fp16.enabled:
         problems.append((key, "needs fp16.enabled: the masters are kept in the model's fp16"))
     if _offload_device(config) == "none":
@@ -72,7 +62,7 @@ def _bf16_master_problems(config: DeepShardConfig) -> list[tuple[str, str]]:
     """What DeepShard's bf16 masters need beyond DeepSpeed's rules (`deepshard.zero`'s
     ``_master_dtype`` says why)."""
     key = "bf16.bf16_master_weights_and_grads"
-    problems = _host_master_problems(config, key)
+    problems: list[tuple[str, str]] = []
     if not config.bf16.enabled:
         problems.append((key, "needs bf16.enabled: the masters are kept in the model's bf16"))
     device = _offload_device(config)

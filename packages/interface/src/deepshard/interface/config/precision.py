@@ -110,8 +110,7 @@ class Bf16Config(ConfigModel):
     bf16_master_weights_and_grads: bool = False
     """Keep the ZeRO master weights and the reduced gradients in bf16 (2 bytes each instead of
     4), at ZeRO stages 1-3 on a bf16 model (``enabled``): with ``bf16_optimizer_states`` on the
-    device, or stepped on the host by CPU Adam (``offload_optimizer``), as DeepSpeed; a partial
-    offload (``ratio`` < 1) of bf16 masters is planned."""
+    device, or stepped on the host by CPU Adam (``offload_optimizer``), as DeepSpeed."""
 
     bf16_optimizer_states: bool = False
     """Keep the optimizer states in bf16 too (needs ``bf16_master_weights_and_grads``): the inner

@@ -9,7 +9,8 @@ after 2 steps, loaded into a fresh engine, gives the same last 2 steps. On 2 glo
 half the batch) the weights follow the same reference within bf16 rounding (the two halves'
 gradients are averaged, not computed at once), and each rank's ZeRO state (masters + both
 moments) takes half the bytes of the fp32-master run of the same config. Configs DeepShard
-cannot honour are refused with the key named.
+cannot honour are refused with the key named. A checkpoint saved with bf16 masters loads into
+an fp32-master engine exactly, and one saved with fp32 masters loads into a bf16 one rounded.
 
 DeepSpeed's other mode, bf16 masters with fp32 moments stepped on the host by CPU Adam
 (``offload_optimizer: cpu`` without ``bf16_optimizer_states``), must equal DeepShard's own
@@ -250,6 +251,40 @@ def test_configs_it_cannot_honour_are_refused_by_key() -> None:
         DeepShardConfig.from_dict(
             {"train_batch_size": 2, "bf16": {"enabled": True} | bf16, "zero_optimization": zero}
         )
+
+
+def _switch_precision(mesh: Any, folder: str, saved_bf16: bool) -> dict[str, Any]:
+    first = _engine(mesh, _config(2, 1, bf16_masters=saved_bf16))
+    _steps(first, 0, range(2))
+    first.save_checkpoint(folder)
+    saved = [m.detach().clone() for m in first.optimizer.master_partitions]
+    moments = [t.detach().clone() for t in _moments(first)]
+    second = _engine(mesh, _config(2, 1, bf16_masters=not saved_bf16))
+    second.load_checkpoint(folder)
+    return {
+        "saved": saved,
+        "loaded": [m.detach().clone() for m in second.optimizer.master_partitions],
+        "moments": moments,
+        "loaded_moments": [t.detach().clone() for t in _moments(second)],
+    }
+
+
+def _moments(engine: Any) -> list[torch.Tensor]:
+    state = engine.optimizer.inner.state.values()
+    return [t for s in state for k, t in sorted(s.items()) if k.startswith("exp_avg")]
+
+
+@pytest.mark.parametrize("saved_bf16", [True, False])
+def test_a_checkpoint_loads_across_master_precisions(saved_bf16: bool, tmp_path: Path) -> None:
+    """Saved with bf16 masters, loaded with fp32 ones (exact), and the other way (rounded)."""
+    args = (str(tmp_path / "ckpt"), saved_bf16)
+    [out] = run_on_mesh(_switch_precision, 1, args=args, timeout_s=120)
+    masters = zip(out["saved"], out["loaded"], strict=True)
+    pairs = [*masters, *zip(out["moments"], out["loaded_moments"], strict=True)]
+    assert len(pairs) == 1 + 2  # one unit's master; the two moments of its one master view
+    for saved, loaded in pairs:
+        assert saved.dtype != loaded.dtype
+        assert torch.equal(loaded, saved.to(loaded.dtype))
 
 
 # --- DeepSpeed's other mode: bf16 masters with fp32 moments, stepped on the host -------------

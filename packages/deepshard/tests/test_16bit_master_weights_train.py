@@ -217,13 +217,75 @@ def test_two_ranks_follow_the_reference_with_half_the_state() -> None:
             assert torch.equal(ranks[0][stage]["params"][name], ranks[1][stage]["params"][name])
 
 
-def _muon(mesh: Any) -> str:
+def _refused_initialize(mesh: Any, optimizer_config: dict[str, Any], offload: bool) -> str:
+    """The error of an ``initialize`` DeepShard refuses: an optimizer keeping fp32 moments while
+    the config asks for bf16 ones, or Muon with optimizer offload."""
+    import deepshard.engine as ds
+    from deepshard.optimizers import AdamW
+
+    config = _config(3 if offload else 2, 1)
+    model = _model()
+    optimizer = None
+    if optimizer_config:
+        config["optimizer"] = optimizer_config
+    else:  # the caller's own optimizer, keeping fp32 moments
+        optimizer = AdamW(model.parameters(), lr=LR, fp32_optimizer_states=True)
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    with pytest.raises(ConfigError) as caught:
+        ds.initialize(model, config, optimizer=optimizer, mesh=mesh)
+    return str(caught.value)
+
+
+MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
+
+
+def _config_built(mesh: Any, stage: int, kind: str) -> dict[str, Any]:
+    """The engine building its optimizer from the config (DeepShard's AdamW or Muon, whose
+    moments default to fp32) under ``bf16_optimizer_states``."""
     import deepshard.engine as ds
 
-    config = _config(2, 1) | {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}}
-    with pytest.raises(ConfigError) as caught:
-        ds.initialize(_model(), config, mesh=mesh)
-    return str(caught.value)
+    params = MUON if kind == "Muon" else {"lr": LR, "weight_decay": 0.01}
+    config = _config(stage, 1) | {"optimizer": {"type": kind, "params": params}}
+    engine, *_ = ds.initialize(_model(), config, mesh=mesh)
+    losses = _steps(engine, 0, range(STEPS))
+    states = engine.optimizer.inner.state.values()
+    floats = {str(t.dtype) for s in states for t in s.values() if torch.is_tensor(t) and t.ndim}
+    return {"losses": losses, "params": _params(engine, stage), "state_dtypes": sorted(floats)}
+
+
+def _config_built_reference(kind: str) -> dict[str, Any]:
+    from deepshard.optimizers import AdamW, Muon
+
+    model = _model().bfloat16()
+    if kind == "Muon":
+        named = list(model.named_parameters())
+        opt: torch.optim.Optimizer = Muon(named, **MUON, fp32_optimizer_states=False)
+    else:
+        opt = AdamW(model.parameters(), lr=LR, weight_decay=0.01, fp32_optimizer_states=False)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model, _batch(step, 0))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach().float()))
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize(("stage", "kind"), [(1, "AdamW"), (3, "AdamW"), (1, "Muon"), (2, "Muon")])
+def test_config_built_optimizers_keep_bf16_states(stage: int, kind: str) -> None:
+    """DeepShard's AdamW and Muon keep fp32 moments by default; under ``bf16_optimizer_states``
+    the engine builds them with 16-bit ones. AdamW is bit-exact with the same optimizer on a bf16
+    model; Muon within two bf16 steps after 4 steps (ZeRO hands Muon's finished update over in
+    the gradient buffer, bf16 here, where plain Muon adds it unrounded)."""
+    [out] = run_on_mesh(_config_built, 1, args=(stage, kind), timeout_s=120)
+    ref = _config_built_reference(kind)
+    assert out["state_dtypes"] == ["torch.bfloat16"]
+    ulps = 2.0**-6 if kind == "Muon" else 0.0  # 2 steps of bf16's 8 significant bits
+    torch.testing.assert_close(out["losses"], ref["losses"], rtol=ulps, atol=0)
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(out["params"][name], value, rtol=ulps, atol=0)
 
 
 def _problems(**bf16: Any) -> str:
@@ -243,9 +305,14 @@ def test_configs_it_cannot_honour_are_refused_by_key() -> None:
     offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     assert "needs bf16.enabled" in _problems(enabled=False, **both)
     assert "stage >= 1" in _problems(**both, zero={"stage": 0})
-    # Muon's own fp32 state is refused when ZeRO is built (the model exists then)
-    [muon] = run_on_mesh(_muon, 1, timeout_s=60)
-    assert key in muon and "Muon is planned" in muon
+    # refused once the model and optimizer exist: a caller's optimizer keeping fp32 moments,
+    # and Muon with optimizer offload
+    own, muon = (
+        run_on_mesh(_refused_initialize, 1, args=args, timeout_s=60)[0]
+        for args in (({}, False), ({"type": "Muon", "params": MUON}, True))
+    )
+    assert "bf16.bf16_optimizer_states" in own and "fp32_optimizer_states=False" in own
+    assert key in muon and "Muon and optimizer offload is planned" in muon
     # the supported combinations validate
     for bf16, zero in ((both, {"stage": 1}), (masters, offload), (both, offload)):
         DeepShardConfig.from_dict(

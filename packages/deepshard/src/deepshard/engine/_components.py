@@ -14,6 +14,12 @@ name mapping and groups, never on the parameters. A group's ``use_muon`` key set
 for all of its parameters, the way to route a single parameter by hand. (DeepSpeed's engine
 drops a group's ``use_muon`` and re-tags every model parameter by the rule; only parameters
 outside the model keep a flag the caller set on them, which here is the group's flag.)
+
+``bf16.bf16_optimizer_states`` asks for 16-bit optimizer states. A config-built optimizer that
+keeps its moments in fp32 by default (DeepShard's Adam family, Lion, Muon) is then built with
+``fp32_optimizer_states: false``, overriding (with a warning) a ``true`` in its params, as
+DeepSpeed overrides its CPU Adam; a caller's optimizer that says ``fp32_optimizer_states=True``
+is refused, since its fp32 moments are not what the config asks for.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from deepshard.interface.config import DeepShardConfig
+from deepshard.interface.config import DeepShardConfig, OptimizerConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.optimizers import build_optimizer
 from deepshard.optimizers.schedules import build_scheduler
@@ -72,7 +78,7 @@ def select_optimizer(
     if optimizer is not None and config.optimizer is not None:
         _log.warning("initialize got an optimizer; the config's optimizer section is ignored")
     if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
+        return _states_as_asked(optimizer, config)
     if optimizer is not None:
         built = optimizer(params)
         if not isinstance(built, torch.optim.Optimizer):
@@ -80,11 +86,45 @@ def select_optimizer(
                 f"the optimizer callable passed to initialize returned {type(built).__name__}, "
                 "not a torch.optim.Optimizer"
             )
-        return built
+        return _states_as_asked(built, config)
     if config.optimizer is None:
         return None
     names = dict(module.named_parameters()) if module is not None else None
-    return build_optimizer(config.optimizer, params, names=names)
+    section = config.optimizer
+    if config.bf16.bf16_optimizer_states:
+        section = _with_16bit_states(section)
+    return build_optimizer(section, params, names=names)
+
+
+def _with_16bit_states(section: OptimizerConfig) -> OptimizerConfig:
+    """The ``optimizer`` section with ``fp32_optimizer_states: false`` for the types that take
+    it (the others keep their moments in the parameters' dtype anyway)."""
+    if section.type.lower() not in ("adam", "adamw", "lion", "muon"):
+        return section
+    if section.params.get("fp32_optimizer_states") is True:
+        _log.warning(
+            "bf16.bf16_optimizer_states is set: optimizer.params.fp32_optimizer_states true is "
+            "overridden to false, so the moments are kept in bf16"
+        )
+    params = {**section.params, "fp32_optimizer_states": False}
+    return section.model_copy(update={"params": params})
+
+
+def _states_as_asked(
+    optimizer: torch.optim.Optimizer, config: DeepShardConfig
+) -> torch.optim.Optimizer:
+    """The caller's optimizer, unless it keeps fp32 moments while the config asks for bf16 ones.
+
+    Raises:
+        ConfigError: ``bf16.bf16_optimizer_states`` with ``fp32_optimizer_states=True``.
+    """
+    if config.bf16.bf16_optimizer_states and getattr(optimizer, "fp32_optimizer_states", False):
+        raise ConfigError.from_problems(
+            [("bf16.bf16_optimizer_states", f"asks for bf16 optimizer states, but the "
+              f"{type(optimizer).__name__} passed to initialize keeps fp32 moments "
+              "(fp32_optimizer_states=True); build it with fp32_optimizer_states=False")]
+        )  # fmt: skip
+    return optimizer
 
 
 def default_parameters(module: torch.nn.Module, config: DeepShardConfig) -> Iterable[Any]:

@@ -24,8 +24,9 @@ What DeepShard runs, and why the rest is refused:
   parameters' own precision, so a device-resident buffer or partition is its own master;
 * any optimizer offload (``cpu``, ``nvme``, a partial ``ratio``: its device share keeps
   16-bit masters too and steps them widened to fp32, as the kernel does);
-* no full-gradient transform (Muon): its momentum buffers and its Adam half keep fp32 state of
-  their own, which is not what ``bf16_optimizer_states`` asks for (planned).
+* Muon on the device (its momentum follows the gradients' dtype, its Adam half the optimizer's
+  ``fp32_optimizer_states``, which the engine sets from ``bf16_optimizer_states``); Muon with
+  optimizer offload is planned.
 
 The config-level rules (``enabled``, the stage, ``bf16_optimizer_states`` against offload)
 live in `deepshard.interface.config`'s cross-checks, so ``initialize`` refuses them before
@@ -83,10 +84,10 @@ def master_dtype_problems(
             (key, 'needs zero_optimization.offload_optimizer ("cpu" or "nvme"): fp16 masters '
              "are stepped with fp32 moments by the CPU Adam kernel (as DeepSpeed)")
         )  # fmt: skip
-    if transformed:
+    if transformed and device != "none":
         problems.append(
-            (key, "with Muon is planned (its momentum and Adam half keep fp32 state); use "
-             "AdamW or remove it")
+            (key, "with Muon and optimizer offload is planned (Muon steps fp32 host masters); "
+             "remove offload_optimizer or use AdamW")
         )  # fmt: skip
     return problems
 

@@ -273,6 +273,7 @@ def _config_built_reference(kind: str) -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
+@pytest.mark.slow  # four one-rank engines; the main run has them
 @pytest.mark.parametrize(("stage", "kind"), [(1, "AdamW"), (3, "AdamW"), (1, "Muon"), (2, "Muon")])
 def test_config_built_optimizers_keep_bf16_states(stage: int, kind: str) -> None:
     """DeepShard's AdamW and Muon keep fp32 moments by default; under ``bf16_optimizer_states``
@@ -341,6 +342,7 @@ def _moments(engine: Any) -> list[torch.Tensor]:
     return [t for s in state for k, t in sorted(s.items()) if k.startswith("exp_avg")]
 
 
+@pytest.mark.slow  # two pairs of one-rank engines; the main run has them
 @pytest.mark.parametrize("saved_bf16", [True, False])
 def test_a_checkpoint_loads_across_master_precisions(saved_bf16: bool, tmp_path: Path) -> None:
     """Saved with bf16 masters, loaded with fp32 ones (exact), and the other way (rounded)."""
@@ -394,6 +396,7 @@ def _kernel_reference(states: bool = False) -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
+@pytest.mark.slow  # seven one-rank engines; the main run has them
 @pytest.mark.parametrize(
     ("stage", "device", "states"),
     [(1, "cpu", False), (2, "cpu", False), (3, "cpu", False), (2, "nvme", False),
@@ -432,6 +435,7 @@ def _partial(mesh: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # a one-rank engine; the main run has it
 def test_a_partial_offload_keeps_bf16_masters_on_both_sides() -> None:
     """ratio 0.5 at stage 3: the device share steps its bf16 masters with the kernel's formula
     in torch operations (widened to fp32, rounded once), the rest is the kernel: within one
@@ -500,6 +504,7 @@ def _fp16_reference() -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
+@pytest.mark.slow  # three one-rank engines; the main run has them
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp16_masters_step_on_the_host_like_the_kernel(stage: int) -> None:
     [out] = run_on_mesh(_fp16_offloaded, 1, args=(stage,), timeout_s=120)

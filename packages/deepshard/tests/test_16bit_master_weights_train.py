@@ -137,9 +137,9 @@ def _one_rank(mesh: Any, stage: int, offload_param: bool, folder: str) -> dict[s
     }
 
 
-def _reference(ranks: int) -> dict[str, Any]:
-    model = _model().bfloat16()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+def _alone(model: torch.nn.Module, opt: torch.optim.Optimizer, ranks: int = 1) -> dict[str, Any]:
+    """`STEPS` steps of ``opt`` on ``model`` in this process, on the batches of ``ranks`` ranks
+    at once: the losses and the weights."""
     losses = []
     for step in range(STEPS):
         x, y = zip(*(_batch(step, rank) for rank in range(ranks)), strict=True)
@@ -148,9 +148,16 @@ def _reference(ranks: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach().float()))
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+def _reference(ranks: int) -> dict[str, Any]:
+    model = _model().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out = _alone(model, opt, ranks)
     states = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
     assert {t.dtype for t in states} == {torch.bfloat16}  # torch's moments follow the params
-    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+    return out
 
 
 @pytest.mark.parametrize(
@@ -263,14 +270,7 @@ def _config_built_reference(kind: str) -> dict[str, Any]:
         opt: torch.optim.Optimizer = Muon(named, **MUON, fp32_optimizer_states=False)
     else:
         opt = AdamW(model.parameters(), lr=LR, weight_decay=0.01, fp32_optimizer_states=False)
-    losses = []
-    for step in range(STEPS):
-        loss = _loss(model, _batch(step, 0))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach().float()))
-    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+    return _alone(model, opt)
 
 
 @pytest.mark.slow  # four one-rank engines; the main run has them
@@ -384,16 +384,10 @@ def _kernel_reference(states: bool = False) -> dict[str, Any]:
     model = _model().bfloat16()
     # torch AdamW's default decay; 16-bit moments when the config asks for bf16 states
     opt = AdamW(model.parameters(), lr=LR, weight_decay=0.01, fp32_optimizer_states=not states)
-    losses = []
-    for step in range(STEPS):
-        loss = _loss(model, _batch(step, 0))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach().float()))
+    out = _alone(model, opt)
     moments = [t for s in opt.state.values() for k, t in s.items() if k.startswith("exp_avg")]
     assert {t.dtype for t in moments} == {torch.bfloat16 if states else torch.float32}
-    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+    return out
 
 
 @pytest.mark.slow  # seven one-rank engines; the main run has them

@@ -82,11 +82,8 @@ def _steps(engine: Any, rank: int, steps: range) -> list[float]:
 
 
 def _state_bytes(engine: Any) -> dict[str, Any]:
-    zero = engine.optimizer
-    masters = list(zero.master_partitions)
-    moments = [
-        t for s in zero.inner.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")
-    ]
+    masters = list(engine.optimizer.master_partitions)
+    moments = _moments(engine)
     return {
         "dtypes": sorted({str(t.dtype) for t in masters + moments}),
         "bytes": sum(t.numel() * t.element_size() for t in masters + moments),

@@ -33,6 +33,7 @@ import torch
 from deepshard.interface.config import DeepShardConfig, OptimizerConfig
 from deepshard.interface.errors import ConfigError
 from deepshard.optimizers import build_optimizer
+from deepshard.optimizers.build import takes_param
 from deepshard.optimizers.schedules import build_scheduler
 
 __all__ = [
@@ -99,7 +100,7 @@ def select_optimizer(
 def _with_16bit_states(section: OptimizerConfig) -> OptimizerConfig:
     """The ``optimizer`` section with ``fp32_optimizer_states: false`` for the types that take
     it (the others keep their moments in the parameters' dtype anyway)."""
-    if section.type.lower() not in ("adam", "adamw", "lion", "muon"):
+    if not takes_param(section.type, "fp32_optimizer_states"):
         return section
     if section.params.get("fp32_optimizer_states") is True:
         _log.warning(

@@ -22,7 +22,7 @@ from deepshard.optimizers.adam import Adam, AdamW, ParamsT
 from deepshard.optimizers.lion import Lion
 from deepshard.optimizers.muon import Muon
 
-__all__ = ["build_optimizer", "known_optimizer_types"]
+__all__ = ["build_optimizer", "known_optimizer_types", "takes_param"]
 
 _ADAM_KEYS = frozenset({
     "lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad", "adam_w_mode",
@@ -52,6 +52,15 @@ def _torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
         if is_optimizer and value is not torch.optim.Optimizer:
             found[name.lower()] = value
     return found
+
+
+_OUR_KEYS = {"adam": _ADAM_KEYS, "adamw": _ADAM_KEYS, "lion": _LION_KEYS, "muon": _MUON_KEYS}
+
+
+def takes_param(type_name: str, key: str) -> bool:
+    """Whether DeepShard's optimizer of ``optimizer.type`` ``type_name`` (case-insensitive)
+    takes ``optimizer.params.<key>``; False for the ``torch.optim`` types."""
+    return key in _OUR_KEYS.get(type_name.lower(), frozenset())
 
 
 def known_optimizer_types() -> list[str]:

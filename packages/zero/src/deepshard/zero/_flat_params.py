@@ -112,7 +112,7 @@ class FlatParams:
                 param.data = view
 
     def master_partition(self, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """This rank's master in ``dtype`` (fp32, or bf16 masters): its chunk of every bucket,
+        """This rank's master in ``dtype`` (fp32, or 16-bit masters): its chunk of every bucket,
         back to back.
 
         A fresh copy, except for an unpartitioned buffer already in ``dtype``, which is its own

@@ -78,7 +78,7 @@ class StoreSettings:
         use_reduce_scatter: ``zero_optimization.reduce_scatter`` (else all-reduce and slice).
         accum_dtype: Dtype gradients are accumulated in; ``None`` uses each group's grad dtype.
         master_dtype: Dtype of the master partitions, so of the reduced gradients the store hands
-            to the optimizer: fp32, or bf16 with ``bf16_master_weights_and_grads``.
+            to the optimizer: fp32, or 16 bits with the ``*_master_weights_and_grads`` switches.
         logger: Records every collective.
         param_positions: Each trainable parameter's index in the model's registration order,
             per group; decides the launch order (see `launch_order`).

@@ -57,7 +57,7 @@ def merged_ranges(
 def device_masters(
     sharded: ShardedModule, trainable: Sequence[int], dtype: torch.dtype = torch.float32
 ) -> list[tuple[torch.Tensor, bool]]:
-    """Each unit's ``dtype`` master (fp32, or bf16 masters) of its first ``trainable[unit]``
+    """Each unit's ``dtype`` master (fp32, or 16-bit masters) of its first ``trainable[unit]``
     elements, on the compute device, and whether it is a copy of its own (a device-resident
     partition already in ``dtype`` is its own master)."""
     masters = []

@@ -5,8 +5,8 @@ already reduce-scattered every gradient into this rank's gradient partition of i
 is left is the arithmetic of stages 0-2 on those partitions:
 
 1. **Masters.** The trainable prefix of each unit's partition (frozen parameters sit at the
-   end of the unit's layout, `deepshard.zero._units`) gets an fp32 master (bf16 with
-   ``bf16_master_weights_and_grads``; a view of the partition itself when it is in that dtype);
+   end of the unit's layout, `deepshard.zero._units`) gets an fp32 master (16-bit with the
+   ``*_master_weights_and_grads`` switches; a view of the partition itself in that dtype);
    frozen parameters get neither a master nor state. The inner optimizer's param groups keep
    their hyper-parameters but their ``params`` become *master views*: for every parameter of a
    group, the range of its unit's partition this rank holds, consecutive ranges of one group
@@ -94,9 +94,8 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
         aio: The ``aio`` section (NVMe optimizer offload).
         zero_force_ds_cpu_optimizer: With offload, refuse an optimizer stepped as itself on the
             host unless it is DeepShard's.
-        master_dtype: fp32, or bf16 masters (``bf16_master_weights_and_grads``; a device-resident
-            bf16 partition is then its own master, the reduced gradients are handed over in bf16
-            and the moments follow; `deepshard.zero._master_dtype`).
+        master_dtype: fp32, or 16-bit masters (as `ZeroOptimizer`; a device-resident partition in
+            that dtype is then its own master and the reduced gradients are handed over in it).
         state_dtype: With optimizer offload, the host moments' dtype (as `ZeroOptimizer`).
 
     Raises:

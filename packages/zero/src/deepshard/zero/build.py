@@ -58,8 +58,8 @@ def build_zero_optimizer(
     Reads ``zero_optimization``, ``gradient_clipping``, ``gradient_allreduce_op``,
     ``prescale_gradients``, ``gradient_predivide_factor``, ``communication_data_type``,
     ``data_types.grad_accum_dtype``, ``zero_allow_untested_optimizer``, ``aio``,
-    ``zero_force_ds_cpu_optimizer`` (optimizer offload) and the 16-bit master switches
-    (`master_dtype`). Loss scaling
+    ``zero_force_ds_cpu_optimizer`` (optimizer offload) and the 16-bit master and state switches
+    (`_precision`). Loss scaling
     (``fp16``) stays with the caller, which passes the scale to ``step``.
 
     Args:
@@ -101,6 +101,7 @@ def build_zero_optimizer(
             full_grad_transform=full_grad_transform,
             transformed_params=transformed_params,
         )
+    master_dtype, state_dtype = _precision(config)
     common: dict[str, Any] = {
         "config": config.zero_optimization,
         "gradient_clipping": config.gradient_clipping,
@@ -109,8 +110,8 @@ def build_zero_optimizer(
         "transformed_params": transformed_params,
         "aio": config.aio,
         "zero_force_ds_cpu_optimizer": config.zero_force_ds_cpu_optimizer,
-        "master_dtype": master_dtype(config),
-        "state_dtype": torch.bfloat16 if config.bf16.bf16_optimizer_states else None,
+        "master_dtype": master_dtype,
+        "state_dtype": state_dtype,
     }
     if sharded_module is not None:
         return ZeroOptimizer(optimizer, sharded_module, **common)
@@ -152,6 +153,7 @@ def _stage3(
                 )
             ]
         )
+    master_dtype, state_dtype = _precision(config)
     return Stage3Optimizer(
         optimizer,
         sharded,
@@ -163,16 +165,19 @@ def _stage3(
         transformed_params=transformed_params,
         aio=config.aio,
         zero_force_ds_cpu_optimizer=config.zero_force_ds_cpu_optimizer,
-        master_dtype=master_dtype(config),
-        state_dtype=torch.bfloat16 if config.bf16.bf16_optimizer_states else None,
+        master_dtype=master_dtype,
+        state_dtype=state_dtype,
     )
 
 
-def master_dtype(config: DeepShardConfig) -> torch.dtype:
-    """The masters' dtype a config asks for: bf16 (``bf16.bf16_master_weights_and_grads``),
-    fp16 (``fp16.fp16_master_weights_and_grads``) or fp32."""
+def _precision(config: DeepShardConfig) -> tuple[torch.dtype, torch.dtype | None]:
+    """``master_dtype`` and ``state_dtype`` for the optimizer, as the config asks: bf16 masters
+    (``bf16.bf16_master_weights_and_grads``), fp16 ones (``fp16.fp16_master_weights_and_grads``)
+    or fp32; bf16 offloaded moments with ``bf16.bf16_optimizer_states``, else the optimizer's."""
+    master = torch.float32
     if config.bf16.bf16_master_weights_and_grads:
-        return torch.bfloat16
-    if config.fp16.fp16_master_weights_and_grads:
-        return torch.float16
-    return torch.float32
+        master = torch.bfloat16
+    elif config.fp16.fp16_master_weights_and_grads:
+        master = torch.float16
+    states = torch.bfloat16 if config.bf16.bf16_optimizer_states else None
+    return master, states

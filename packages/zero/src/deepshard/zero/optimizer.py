@@ -136,8 +136,9 @@ class ZeroOptimizer(
         zero_force_ds_cpu_optimizer: With offload, refuse an optimizer stepped as itself on the
             host (not Adam/AdamW, not DeepShard's).
         master_dtype: Dtype of the masters and of the reduced gradients the inner optimizer
-            steps them with: fp32, or bf16 (``bf16_master_weights_and_grads``: stages 1-3, a
-            bf16 model, no optimizer offload; the optimizer's states then follow in bf16, see
+            steps them with: fp32, or 16 bits (``bf16_master_weights_and_grads`` /
+            ``fp16_master_weights_and_grads``: stages 1-3, a model in that dtype; on the device
+            the optimizer's states follow, with offload `state_dtype` decides; see
             `deepshard.zero._master_dtype`).
         state_dtype: With optimizer offload, the dtype of the moments the CPU Adam kernel keeps
             (``bf16_optimizer_states``); None: fp32 unless the optimizer says

@@ -12,7 +12,7 @@ import torch
 from deepshard.checkpoint import load, load_state_dict_from_checkpoint, save, verify
 from deepshard.checkpoint._block_read import BlockDigests, verify_blocks
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES
-from deepshard.interface.errors import CheckpointError
+from deepshard.interface.errors import CheckpointError, PartialLoadError
 
 _ELEMENTS = 5 * BLOCK_BYTES // 8  # 2.5 blocks of fp32
 
@@ -55,16 +55,20 @@ def test_every_block_is_checked_on_many_threads(tmp_path: Path) -> None:
             verify_blocks(path, {0, 1, 2}, len(data), short, pool)
 
 
-def test_a_middle_block_damaged_fails_the_load_and_writes_nothing(tmp_path: Path) -> None:
+def test_a_middle_block_damaged_fails_the_load(tmp_path: Path) -> None:
     weight, data_file = _saved(tmp_path)
     like = {"w": torch.full_like(weight, 7.0)}
-    assert load(tmp_path, like).bytes_read == weight.numel() * 4  # the threaded fill
+    assert load(tmp_path, like).bytes_read == weight.numel() * 4
     assert torch.equal(like["w"], weight)
     _flip(data_file, BLOCK_BYTES + 999)  # the middle block
     target = {"w": torch.full_like(weight, 7.0)}
-    with pytest.raises(CheckpointError, match=rf"{data_file.name} does not match its XXH3-64"):
-        load(tmp_path, target)
+    named = rf"{data_file.name} does not match its XXH3-64 in the metadata \(bytes \[16777216,"
+    with pytest.raises(CheckpointError, match=named):
+        load(tmp_path, target, check_first=True)
     assert bool((target["w"] == 7.0).all()), "bytes reached the target before the check"
+    with pytest.raises(PartialLoadError, match=rf"{named}.*partly overwritten"):
+        load(tmp_path, target)  # checked where the bytes landed
+    assert torch.equal(target["w"][: BLOCK_BYTES // 4], weight[: BLOCK_BYTES // 4])
     with pytest.raises(CheckpointError, match=rf"{data_file.name} does not match"):
         load_state_dict_from_checkpoint(tmp_path)
     report = verify(tmp_path)

@@ -15,7 +15,7 @@ from deepshard.checkpoint import ShardedTensor, load, load_state_dict_from_check
 from deepshard.checkpoint._block_read import BlockDigests, block_runs, read_regions, view_of
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES
 from deepshard.interface import ShardMap
-from deepshard.interface.errors import CheckpointError
+from deepshard.interface.errors import CheckpointError, PartialLoadError
 
 _ROWS = 3 * BLOCK_BYTES // (4 * 1024)  # a 1024-wide fp32 weight spanning three blocks
 
@@ -86,8 +86,10 @@ def test_a_sharded_load_reads_only_its_blocks(tmp_path: Path) -> None:
     _, last = _sharded_weight(2)
     target = {"w": ShardedTensor(torch.zeros_like(last.local), last.shard_map, rank=2)}
     with pytest.raises(CheckpointError, match=data_file.name):
-        load(tmp_path, target)
+        load(tmp_path, target, check_first=True)
     assert not target["w"].local.any()  # nothing was filled before the check failed
+    with pytest.raises(PartialLoadError, match=data_file.name):
+        load(tmp_path, target)
 
 
 def test_loads_check_xxh3_and_verify_checks_both(tmp_path: Path) -> None:
@@ -109,13 +111,17 @@ def test_loads_check_xxh3_and_verify_checks_both(tmp_path: Path) -> None:
     load(tmp_path, target)
     assert torch.equal(target["w"], state["w"])
     assert any(file in p and "SHA-256" in p for p in verify(tmp_path).problems)
-    # A wrong XXH3 digest fails the load, naming the file and the algorithm, before any fill.
+    # A wrong XXH3 digest fails the load, naming the file and the algorithm: before any fill
+    # with check_first, else after the bytes landed.
     entry["block_xxh3"] = ["0" * 16]
     meta_path.write_text(json.dumps(saved))
     target = {"w": torch.zeros(40, 7)}
     with pytest.raises(CheckpointError, match=rf"{file} does not match its XXH3-64"):
-        load(tmp_path, target)
+        load(tmp_path, target, check_first=True)
     assert not target["w"].any()
+    with pytest.raises(PartialLoadError, match=rf"{file} does not match its XXH3-64"):
+        load(tmp_path, target)
+    assert torch.equal(target["w"], state["w"])
     assert any(file in p and "XXH3-64" in p for p in verify(tmp_path).problems)
 
 

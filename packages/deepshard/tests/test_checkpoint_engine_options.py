@@ -7,6 +7,9 @@
   save copies into the host buffers the engine readied after its first optimizer step.
 * A load without ``latest`` and without a tag lists the tags present; a ``client_state`` value
   that is neither JSON nor a tensor is refused by its key path.
+* A damaged checkpoint found while filling (a flipped byte, checked where it landed) fails the
+  load on every rank as a `PartialLoadError`; ``forward``, ``step`` and ``save_checkpoint`` then
+  refuse to run until a good checkpoint loads, after which training goes on from it.
 * ZeRO stage 3 with a frozen layer: ``exclude_frozen_parameters`` leaves it out of the files, a
   strict load of that checkpoint is refused and a lenient one keeps the fresh frozen weights;
   a full checkpoint restores them (written back into the stage-3 partitions).
@@ -132,6 +135,41 @@ def _frozen(mesh: Any, root: str) -> dict[str, Any]:
     return out
 
 
+def _damaged(mesh: Any, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    engine = _engine(mesh, 0, stage=2)
+    _step(engine, 0)
+    engine.save_checkpoint(root, tag="good")
+    out["good"] = _weights(engine)
+    _step(engine, 1)
+    out["second"] = _weights(engine)
+    engine.save_checkpoint(root, tag="bad")
+    dist.barrier()
+    if mesh.get_rank() == 0:  # a byte near the end of rank 1's file: inside its data
+        (path,) = Path(root, "bad").glob("rank-00001-*.safetensors")
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x10
+        path.write_bytes(bytes(data))
+    dist.barrier()
+    fresh = _engine(mesh, 1, stage=2)
+    try:
+        fresh.load_checkpoint(root, tag="bad")
+        out["load"] = "no error"
+    except Exception as exc:
+        out["load"] = f"{type(exc).__name__}: {exc}"
+    x = torch.randn(4, 5)
+    out["forward"] = _error(lambda: fresh(x))
+    out["step"] = _error(fresh.step)
+    out["save"] = _error(lambda: fresh.save_checkpoint(root, tag="after"))
+    fresh.load_checkpoint(root, tag="good")
+    out["restored"] = _weights(fresh)
+    _step(fresh, 1)  # training goes on: the step after "good", as the saving engine took it
+    out["trained"] = _weights(fresh)
+    return out
+
+
 def test_tag_validation_async_keep_last_and_refusals(tmp_path: Path) -> None:
     per_rank = run_on_mesh(
         _tags_and_async, 2, args=(str(tmp_path / "ck"),), store_dir=tmp_path, timeout_s=240
@@ -162,3 +200,17 @@ def test_frozen_parameters_at_stage3(tmp_path: Path) -> None:
         assert torch.equal(out["lenient"]["0.weight"], out["fresh"]["0.weight"])
         assert torch.equal(out["lenient"]["2.weight"], out["saved"]["2.weight"])
         assert all(torch.equal(out["full"][k], v) for k, v in out["saved"].items())
+
+
+def test_a_load_failing_while_filling_stops_training_until_a_good_load(tmp_path: Path) -> None:
+    per_rank = run_on_mesh(
+        _damaged, 2, args=(str(tmp_path / "ck"),), store_dir=tmp_path, timeout_s=240
+    )
+    assert not (tmp_path / "ck" / "after").exists()
+    for out in per_rank:
+        assert out["load"].startswith("PartialLoadError: rank 1:"), out["load"]
+        assert "rank-00001-of-00002.safetensors does not match its XXH3-64" in out["load"]
+        for call in ("forward", "step", "save"):
+            assert f"engine.{call}" in out[call] and "partly overwritten" in out[call], out[call]
+        assert all(torch.equal(out["restored"][k], v) for k, v in out["good"].items())
+        assert all(torch.equal(out["trained"][k], v) for k, v in out["second"].items())

@@ -24,16 +24,20 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
+import xxhash
 
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, bytes_of, fast_digest
 from deepshard.interface.errors import CheckpointError
 
 __all__ = [
     "BlockDigests",
+    "Hasher",
     "Region",
     "block_runs",
+    "mismatch",
     "read_regions",
     "verify_blocks",
     "view_of",
@@ -60,6 +64,14 @@ def _sha256(data: memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class Hasher(Protocol):
+    """A digest fed piece by piece (``hashlib`` and ``xxhash`` objects)."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class BlockDigests:
     """The saved digests of a file's blocks, and how to compute one.
@@ -69,23 +81,26 @@ class BlockDigests:
         digests: The hex digest of each `BLOCK_BYTES` block, from the file's start.
         compute: The hex digest of a block's bytes (must release the GIL: it runs on threads).
         threaded: Whether `verify_blocks` hashes on a pool's threads (a digest slower than the
-            disk) or block by block in file order on the calling thread (one that is not).
+            disk) or block by block in file order on the calling thread (one that is not). A
+            load checks a digest that is not threaded where the bytes landed (`_landed`).
+        start: A fresh digest to feed a block's bytes piece by piece.
     """
 
     name: str
     digests: Sequence[str]
     compute: Callable[[memoryview], str]
     threaded: bool
+    start: Callable[[], Hasher]
 
     @classmethod
     def sha256(cls, digests: Sequence[str]) -> BlockDigests:
         """Block digests in SHA-256 (``block_sha256``; what formats 1-2 load with)."""
-        return cls("SHA-256", digests, _sha256, threaded=True)
+        return cls("SHA-256", digests, _sha256, threaded=True, start=hashlib.sha256)
 
     @classmethod
     def xxh3(cls, digests: Sequence[str]) -> BlockDigests:
         """Block digests in XXH3-64 (``block_xxh3``, format 3)."""
-        return cls("XXH3-64", digests, fast_digest, threaded=False)
+        return cls("XXH3-64", digests, fast_digest, threaded=False, start=xxhash.xxh3_64)
 
     def matches(self, index: int, digest: str) -> bool:
         """Whether block ``index`` was saved with ``digest``."""
@@ -103,11 +118,13 @@ def block_runs(blocks: set[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _mismatch(path: Path, index: int, expected: BlockDigests) -> CheckpointError:
+def mismatch(path: Path, index: int, expected: BlockDigests, after: str = "") -> CheckpointError:
+    """The error for block ``index`` of ``path`` not matching ``expected`` (``after``: more)."""
     start = index * BLOCK_BYTES
     return CheckpointError(
         f"{path} does not match its {expected.name} in the metadata (bytes [{start}, "
-        f"{start + BLOCK_BYTES})): it is corrupt or was modified; restore it or load another tag"
+        f"{start + BLOCK_BYTES})): it is corrupt or was modified; restore it or load another "
+        f"tag{after}"
     )
 
 
@@ -158,7 +175,7 @@ def read_regions(
         raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
     for index, future in checks:
         if expected is not None and not expected.matches(index, future.result()):
-            raise _mismatch(path, index, expected)
+            raise mismatch(path, index, expected)
     return regions
 
 
@@ -200,7 +217,7 @@ def _verify_in_order(path: Path, order: list[int], size: int, expected: BlockDig
                     raise CheckpointError(f"{path} ended at byte {lo + done}: truncated")
                 done += got
             if not expected.matches(index, expected.compute(view[:want])):
-                raise _mismatch(path, index, expected)
+                raise mismatch(path, index, expected)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
     finally:
@@ -234,7 +251,7 @@ def verify_blocks(
     if not order:
         return
     if order[-1] >= len(expected.digests) or order[-1] * BLOCK_BYTES >= size:
-        raise _mismatch(path, order[-1], expected)
+        raise mismatch(path, order[-1], expected)
     if not expected.threaded:
         _verify_in_order(path, order, size, expected)
         return
@@ -259,7 +276,7 @@ def verify_blocks(
         futures = [pool.submit(check, position) for position in range(len(order))]
         for index, future in zip(order, futures, strict=True):
             if not future.result():
-                raise _mismatch(path, index, expected)
+                raise mismatch(path, index, expected)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
     finally:

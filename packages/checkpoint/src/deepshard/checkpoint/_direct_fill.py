@@ -1,10 +1,11 @@
 """Filling destinations straight from the data files, with no host buffer in between.
 
 A copy that moves a plain byte range (no scale, the saved dtype) into CPU storage needs no
-staging: `fill_direct` reads it with ``preadv`` into the destination's own memory. The load
-checked those bytes first (`_block_read.verify_blocks`), which left them in the page cache,
-so this read is a memory copy; a host buffer as large as the checkpoint would instead cost a
-page fault per 4 KiB, as much as the disk read on the machines measured. `split_direct`
+staging: `fill_direct` reads it with ``preadv`` into the destination's own memory, and the
+load then checks the bytes where they landed (`_landed`; a checkpoint older than format 3 is
+checked first, on threads, which leaves its bytes in the page cache for this read). A host
+buffer as large as the checkpoint would instead cost a page fault per 4 KiB, as much as the
+disk read on the machines measured. `split_direct`
 separates those copies from the rest (scaled pieces, dtype casts, accelerator destinations),
 which go through host buffers and `_reshard.apply_copies`. Given a pool, the reads run on
 several threads at once.
@@ -23,7 +24,7 @@ from deepshard.checkpoint._reshard import Copy
 from deepshard.checkpoint._safetensors_io import bytes_of, read_header
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["FillTask", "fill_direct", "split_direct"]
+__all__ = ["DirectRead", "FillTask", "direct_reads", "fill_direct", "split_direct"]
 
 _CHUNK_BYTES = 32 << 20  # one read of `fill_direct`: large, and many of them for the threads
 
@@ -66,6 +67,43 @@ def split_direct(tasks: list[FillTask]) -> tuple[list[FillTask], list[FillTask]]
     return direct, buffered
 
 
+@dataclass(frozen=True)
+class DirectRead:
+    """One read of `fill_direct`: bytes of a data file straight into a destination's memory.
+
+    Attributes:
+        file: The data file (a name in the tag directory).
+        offset: Where the bytes start in the file.
+        target: The destination's memory (its length is the read's).
+    """
+
+    file: str
+    offset: int
+    target: memoryview
+
+
+def direct_reads(tag_dir: Path, tasks: list[FillTask]) -> list[DirectRead]:
+    """Every read of the tasks' copies, cut in `_CHUNK_BYTES` pieces; the caller keeps the
+    tasks' tensors alive while the reads' targets are used."""
+    headers: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}
+    reads = []
+    for task in tasks:
+        for copy in task.copies:
+            file = task.files.get(str(copy.saved_rank))
+            if file is None:
+                raise CheckpointError(
+                    f"{task.name}: the metadata names no file for rank {copy.saved_rank}"
+                )
+            if file not in headers:
+                headers[file] = read_header(tag_dir / file)
+            data_start, spans = headers[file]
+            offset = data_start + spans[task.name][0] + copy.source * task.itemsize
+            target = bytes_of(task.dest[copy.dest : copy.dest + copy.length])
+            for lo in range(0, len(target), _CHUNK_BYTES):
+                reads.append(DirectRead(file, offset + lo, target[lo : lo + _CHUNK_BYTES]))
+    return reads
+
+
 def _read_into(fd: int, target: memoryview, offset: int, where: Path) -> int:
     """Fill ``target`` with the bytes of ``fd`` from ``offset`` on; return its length."""
     total = len(target)
@@ -77,46 +115,23 @@ def _read_into(fd: int, target: memoryview, offset: int, where: Path) -> int:
     return total
 
 
-def _reads(
-    tag_dir: Path, tasks: list[FillTask], handles: dict[str, int]
-) -> list[tuple[int, memoryview, int, Path]]:
-    """Every ``(fd, target, offset, file)`` read of the tasks, cut in `_CHUNK_BYTES` pieces."""
-    headers: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}
-    reads = []
-    for task in tasks:
-        for copy in task.copies:
-            file = task.files.get(str(copy.saved_rank))
-            if file is None:
-                raise CheckpointError(
-                    f"{task.name}: the metadata names no file for rank {copy.saved_rank}"
-                )
-            if file not in handles:
-                headers[file] = read_header(tag_dir / file)
-                handles[file] = os.open(tag_dir / file, os.O_RDONLY)
-            data_start, spans = headers[file]
-            offset = data_start + spans[task.name][0] + copy.source * task.itemsize
-            target = bytes_of(task.dest[copy.dest : copy.dest + copy.length])
-            for lo in range(0, len(target), _CHUNK_BYTES):
-                piece = target[lo : lo + _CHUNK_BYTES]
-                reads.append((handles[file], piece, offset + lo, tag_dir / file))
-    return reads
-
-
 def fill_direct(
-    tag_dir: Path, tasks: list[FillTask], pool: ThreadPoolExecutor | None = None
+    tag_dir: Path, reads: list[DirectRead], pool: ThreadPoolExecutor | None = None
 ) -> int:
-    """Read each copy's bytes straight into its destination; return the bytes read.
+    """Perform ``reads`` (`direct_reads`); return the bytes read.
 
-    With ``pool`` the reads (cut in `_CHUNK_BYTES` pieces) run on its threads, several at once:
-    ``preadv`` releases the GIL, so page-cache copies use several cores and disk reads queue
-    deeper.
+    With ``pool`` the reads run on its threads, several at once: ``preadv`` releases the GIL,
+    so page-cache copies use several cores and disk reads queue deeper.
     """
     handles: dict[str, int] = {}
     try:
-        reads = _reads(tag_dir, tasks, handles)
+        for read in reads:
+            if read.file not in handles:
+                handles[read.file] = os.open(tag_dir / read.file, os.O_RDONLY)
+        args = [(handles[r.file], r.target, r.offset, tag_dir / r.file) for r in reads]
         if pool is None:
-            return sum(_read_into(*read) for read in reads)
-        futures = [pool.submit(_read_into, *read) for read in reads]
+            return sum(_read_into(*arg) for arg in args)
+        futures = [pool.submit(_read_into, *arg) for arg in args]
         try:
             return sum(future.result() for future in futures)
         finally:

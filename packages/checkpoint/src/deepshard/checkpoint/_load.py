@@ -1,19 +1,20 @@
 """``load`` into live shards (resharding on the fly) and consolidated loading in one process.
 
-A load first checks the files: every rank checks the size of every file, plans its copies,
-and checks the 16 MiB blocks holding the bytes it will use against the per-block XXH3-64 the
-save recorded (SHA-256 before format 3), reading each once and hashing it on a thread pool
-while the next is read (`_block_read`), so it verifies exactly what it uses without reading the
-rest; then the ranks
-agree that all checks passed before anything is written into the caller's tensors. Filling
-then has two paths. A copy that is a plain byte range into CPU storage of the saved dtype (the
-common case, resharded or not) is read straight into the destination with ``preadv``: the
-check streamed its blocks through a few reused buffers and left them in the page cache, so
-this second read costs a memory copy, and no host buffer of the checkpoint's size is ever
-allocated (fresh memory costs a page fault per 4 KiB, as much as the disk read on the
-machines measured). Every other copy (a scale, a dtype cast, an accelerator destination) reads
-its blocks into host buffers during the check and is filled by `_reshard` from views of them.
-A final exchange makes an error on one rank an error on all of them.
+A load first checks what it can without touching the caller's tensors: every rank checks the
+size of every file, reads the metadata, matches the keys and plans its copies; then the ranks
+agree that all checks passed. Filling has two paths. A copy that is a plain byte range into
+CPU storage of the saved dtype (the common case, resharded or not) is read straight into the
+destination with ``preadv`` (`_direct_fill`), and the 16 MiB blocks it read are then checked
+against the per-block XXH3-64 the save recorded from the bytes where they landed (`_landed`):
+the disk is read once, and the check sees exactly what the caller got. Every other copy (a
+scale, a dtype cast, an accelerator destination) reads its blocks into host buffers, checks
+them as they arrive (`_block_read.read_regions`), and is filled by `_reshard` from views of
+them. A checkpoint older than format 3 has only SHA-256 block digests, slower than the disk:
+its direct copies' blocks are checked first, on threads, and then read from the page cache.
+
+A final exchange makes an error on one rank an error on all of them. An error in the fill
+phase (a block that does not match where it landed, a file cut short since the check) is a
+`PartialLoadError`: the tensors were partly overwritten, and must be loaded again before use.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,10 @@ from deepshard.checkpoint._block_read import (
     verify_blocks,
     view_of,
 )
-from deepshard.checkpoint._direct_fill import FillTask, fill_direct, split_direct
+from deepshard.checkpoint._direct_fill import FillTask, direct_reads, fill_direct, split_direct
 from deepshard.checkpoint._exchange import Members, all_gather_json, members_of
 from deepshard.checkpoint._handle import SaveHandle
+from deepshard.checkpoint._landed import check_landed
 from deepshard.checkpoint._layout import METADATA, read_metadata, resolve_tag_dir, tag_dir_of
 from deepshard.checkpoint._reshard import apply_copies, plan_copies, source_ranges
 from deepshard.checkpoint._safetensors_io import (
@@ -47,7 +50,7 @@ from deepshard.checkpoint._safetensors_io import (
 from deepshard.checkpoint._types import LoadResult, ShardedTensor, StateValue, state_items
 from deepshard.comm import Group
 from deepshard.interface import ShardMap, ShardPiece
-from deepshard.interface.errors import CheckpointError
+from deepshard.interface.errors import CheckpointError, PartialLoadError
 
 __all__ = ["load", "load_state_dict_from_checkpoint", "torch_dtype"]
 
@@ -241,27 +244,74 @@ def _read_needed(
     return out
 
 
-def _verify_needed(tag_dir: Path, meta: Mapping[str, Any], needed: dict[str, set[int]]) -> None:
-    """Check the needed blocks of every file against the metadata, keeping none of them."""
-    with _pool() as pool:
-        for file, blocks in sorted(needed.items()):
-            digests = _expected_digests(tag_dir, meta, file, verify=True)
-            if digests is not None and blocks:
-                size = int(meta["files"][file]["size"])
-                verify_blocks(tag_dir / file, blocks, size, digests, pool)
+@dataclass
+class _Prepared:
+    """What the check phase hands the fill phase.
+
+    Attributes:
+        direct: The copies read straight into place.
+        buffered: The other copies, filled from ``regions``.
+        regions: The blocks the buffered copies read, in memory (checked).
+        landed: The blocks of each file to check after the direct fill, from where they
+            landed (a fast digest), with their digests.
+        warm: Whether the direct copies' blocks were checked first (a slow digest), so the
+            fill reads them from the page cache.
+    """
+
+    direct: list[FillTask]
+    buffered: list[FillTask]
+    regions: dict[str, list[Region]]
+    landed: dict[str, tuple[set[int], BlockDigests]] = field(default_factory=dict)
+    warm: bool = False
 
 
 def _prepare(
-    tag_dir: Path, meta: Mapping[str, Any], tasks: list[FillTask], *, verify: bool
-) -> tuple[list[FillTask], list[FillTask], dict[str, list[Region]]]:
-    """Check what ``tasks`` read; return the direct tasks, the buffered ones and their data."""
+    tag_dir: Path,
+    meta: Mapping[str, Any],
+    tasks: list[FillTask],
+    *,
+    verify: bool,
+    check_first: bool = False,
+) -> _Prepared:
+    """Check what ``tasks`` read, or plan to check it where it lands; read the buffered data."""
     direct, buffered = split_direct(tasks)
     in_buffers = _needed_blocks(tag_dir, buffered)
-    regions = _read_needed(tag_dir, meta, in_buffers, verify=verify)
+    prepared = _Prepared(direct, buffered, _read_needed(tag_dir, meta, in_buffers, verify=verify))
     needed = _needed_blocks(tag_dir, direct)  # also checks that every entry is in its file
-    if verify:
-        _verify_needed(tag_dir, meta, {f: b - in_buffers.get(f, set()) for f, b in needed.items()})
-    return direct, buffered, regions
+    if not verify:
+        return prepared
+    with _pool() as pool:
+        for file, wanted in sorted(needed.items()):
+            blocks = wanted - in_buffers.get(file, set())
+            digests = _expected_digests(tag_dir, meta, file, verify=True)
+            if digests is None or not blocks:
+                continue
+            if digests.threaded or check_first:  # a slow digest: checked first, on threads
+                size = int(meta["files"][file]["size"])
+                verify_blocks(tag_dir / file, blocks, size, digests, pool)
+                prepared.warm = True
+            else:
+                prepared.landed[file] = (blocks, digests)
+    return prepared
+
+
+def _fill(tag_dir: Path, meta: Mapping[str, Any], prepared: _Prepared) -> int:
+    """Fill every copy; check the direct ones' blocks where they landed; return bytes read."""
+    read = _apply(tag_dir, prepared.buffered, prepared.regions)
+    reads = direct_reads(tag_dir, prepared.direct)
+    # Threads only copy from a page cache a check filled: reads from the disk measured faster
+    # on one thread (0.24 s vs 0.33 s for 400 MB on the shared box).
+    with _pool() as pool:
+        read += fill_direct(tag_dir, reads, pool if prepared.warm else None)
+    landed = prepared.landed
+    check_landed(
+        tag_dir,
+        reads,
+        {file: blocks for file, (blocks, _) in landed.items()},
+        {file: digests for file, (_, digests) in landed.items()},
+        {file: int(meta["files"][file]["size"]) for file in landed},
+    )
+    return read
 
 
 def _check_files(tag_dir: Path, meta: Mapping[str, Any], *, checksum: bool) -> None:
@@ -304,6 +354,7 @@ def load(
     group: Group | None = None,
     strict: bool = True,
     verify_checksums: bool = True,
+    check_first: bool = False,
     after: SaveHandle | None = None,
     timeout_s: float = 600.0,
 ) -> LoadResult:
@@ -318,12 +369,19 @@ def load(
         group: The ranks loading; the world by default, none without ``torch.distributed``.
         strict: Refuse keys present on one side only.
         verify_checksums: Check the digest of every block of the files this rank reads
-            before filling anything (every file's size is always checked).
+            (every file's size is always checked, before anything is filled).
+        check_first: Check every block before writing anything into ``like``, so that a
+            damaged file leaves it untouched; the blocks filled straight into place are then
+            read twice (the second time from the page cache). By default they are checked
+            where they landed.
         after: A background save to wait for first (its error is raised here).
         timeout_s: Longest wait for the other ranks.
 
     Raises:
-        CheckpointError: No such tag, damaged files, mismatched keys or shapes.
+        CheckpointError: No such tag, damaged files, mismatched keys or shapes, found before
+            anything was written into ``like``.
+        PartialLoadError: A damaged block found while or after filling (the `CheckpointError`
+            subclass saying ``like``'s tensors were partly overwritten).
     """
     if after is not None:
         after.wait()
@@ -337,21 +395,19 @@ def load(
         found["keys"] = _keys(found["meta"], [n for n, _ in items], strict)
         _check_files(found["dir"], found["meta"], checksum=False)
         tasks = _plan(found["meta"], items, members.rank)
-        found["direct"], found["buffered"], found["regions"] = _prepare(
-            found["dir"], found["meta"], tasks, verify=verify_checksums
+        found["prepared"] = _prepare(
+            found["dir"], found["meta"], tasks, verify=verify_checksums, check_first=check_first
         )
 
     _agree(members, _attempt(check), "the checkpoint checks", timeout_s)
 
     def fill() -> None:
-        found["read"] = _apply(found["dir"], found["buffered"], found.pop("regions"))
-        # Threads only copy from the page cache the check filled: unchecked reads from the disk
-        # measured faster on one thread (0.24 s vs 0.33 s for 400 MB on the shared box).
-        with _pool() as pool:
-            threads = pool if verify_checksums else None
-            found["read"] += fill_direct(found["dir"], found["direct"], threads)
+        found["read"] = _fill(found["dir"], found["meta"], found.pop("prepared"))
 
-    _agree(members, _attempt(fill), "the end of loading", timeout_s)
+    try:
+        _agree(members, _attempt(fill), "the end of loading", timeout_s)
+    except CheckpointError as exc:
+        raise PartialLoadError(str(exc)) from exc
     missing, unexpected = found["keys"]
     metadata = dict(found["meta"]["metadata"])
     return LoadResult(found["dir"], metadata, missing, unexpected, found["read"])
@@ -365,7 +421,7 @@ def load_state_dict_from_checkpoint(
     Args:
         path_or_dir: A tag directory, or the checkpoint directory (then ``tag`` or ``latest``).
         tag: The tag when ``path_or_dir`` is the checkpoint directory.
-        verify_checksums: Check the digest of every block read first.
+        verify_checksums: Check the digest of every block read.
     """
     tag_dir = tag_dir_of(path_or_dir, tag)
     meta = read_metadata(tag_dir)
@@ -375,8 +431,5 @@ def load_state_dict_from_checkpoint(
         smap = entry["shard_map"]
         out[name] = torch.empty(tuple(smap["global_shape"]), dtype=torch_dtype(smap["dtype"]))
     tasks = _plan(meta, list(out.items()), 0)
-    direct, buffered, regions = _prepare(tag_dir, meta, tasks, verify=verify_checksums)
-    _apply(tag_dir, buffered, regions)
-    with _pool() as pool:
-        fill_direct(tag_dir, direct, pool if verify_checksums else None)
+    _fill(tag_dir, meta, _prepare(tag_dir, meta, tasks, verify=verify_checksums))
     return out

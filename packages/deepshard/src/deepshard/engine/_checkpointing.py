@@ -37,7 +37,7 @@ from deepshard.comm import all_reduce, broadcast
 from deepshard.engine import _checkpoint_state as ck
 from deepshard.engine import _engine_json
 from deepshard.engine._rng_state import RNG_PREFIX, capture_rng, restore_rng
-from deepshard.interface.errors import CheckpointError
+from deepshard.interface.errors import CheckpointError, PartialLoadError
 
 if TYPE_CHECKING:
     from deepshard.engine._engine import EngineParts
@@ -61,6 +61,7 @@ class EngineCheckpointing:
     random_ltd_scheduler: RandomLtdScheduler | None
     _pending_save: SaveHandle | None
     _save_prepared: bool
+    _load_failure: str | None
 
     @property
     def _ckpt_group(self) -> dist.ProcessGroup | None:
@@ -131,6 +132,15 @@ class EngineCheckpointing:
             state.update(ck.rng_tensors(capture_rng(self.device.type), rank, world))
             self._pending_save = prepare_async_save(state, group=self._ckpt_group)
 
+    def _require_loaded(self, call: str) -> None:
+        """Refuse ``call`` after a ``load_checkpoint`` that failed once it had begun filling."""
+        if self._load_failure is not None:
+            raise CheckpointError(
+                f"{call}: the last engine.load_checkpoint failed after it had started filling "
+                f"the engine's tensors ({self._load_failure}), so they are partly overwritten; "
+                "load a good checkpoint with engine.load_checkpoint, or build a new engine"
+            )
+
     def _wait_for_save(self) -> None:
         if self._pending_save is not None:
             handle, self._pending_save = self._pending_save, None
@@ -162,6 +172,7 @@ class EngineCheckpointing:
             CheckpointError: A tag that differs across ranks under ``tag_validation: FAIL``,
                 a bad ``client_state`` or schedule state, or a failed (earlier) save.
         """
+        self._require_loaded("engine.save_checkpoint()")
         tag = f"global_step{self.parts.accumulation.global_steps}" if tag is None else str(tag)
         tag = self._validate_tag(tag)
         rank, world = self._rank_and_size()
@@ -215,7 +226,11 @@ class EngineCheckpointing:
 
         Raises:
             CheckpointError: No ``latest`` and no tag (the message lists the tags), damaged
-                files, missing tensors, or a checkpoint not written by an engine.
+                files, missing tensors, or a checkpoint not written by an engine. When it is
+                raised after the load had started filling the engine's tensors (a
+                `PartialLoadError`, a damaged block found where it landed, or missing tensors
+                found after the others were filled), ``forward``, ``step`` and
+                ``save_checkpoint`` refuse to run until a later load succeeds.
         """
         self._wait_for_save()
         meta = read_metadata(load_dir, tag)
@@ -237,24 +252,35 @@ class EngineCheckpointing:
             shape = ck.saved_shape(meta, key)
             if key.startswith(f"{_CLIENT}/") and shape is not None:
                 like[key] = torch.empty(shape[0], dtype=_engine_json.torch_dtype(shape[1]))
-        result = load(load_dir, like, tag=tag, group=self._ckpt_group, strict=False)
-        self._check_result(result.missing, result.unexpected, tensors, with_optimizer,
-                           load_module_strict)  # fmt: skip
-        if zero is not None:
-            filled = {
-                zero_key: like[key].local
-                for key, zero_key in tensors.zero_keys.items()
-                if key in like and key not in result.missing
-            }
-            zero.load_state_shards(filled)
-        if not load_module_only and "imported_from" in meta["metadata"]:
-            _engine_json.restore_imported(self, saved)
-        elif not load_module_only:
-            _engine_json.restore(self, saved, optimizer=with_optimizer,
-                                 scheduler=load_lr_scheduler_states)  # fmt: skip
-            rows = {k.removeprefix(RNG_PREFIX): like[k].local for k in streams}
-            restore_rng(rows, self.device.type)
-        client = {k: like[k] for k in like if k.startswith(f"{_CLIENT}/")}
+        try:
+            result = load(load_dir, like, tag=tag, group=self._ckpt_group, strict=False)
+        except PartialLoadError as exc:
+            self._load_failure = str(exc)
+            raise
+        # From here on the tensors hold the checkpoint's bytes: a failure leaves the engine
+        # between two states, and training refuses to go on until a load succeeds.
+        try:
+            self._check_result(result.missing, result.unexpected, tensors, with_optimizer,
+                               load_module_strict)  # fmt: skip
+            if zero is not None:
+                filled = {
+                    zero_key: like[key].local
+                    for key, zero_key in tensors.zero_keys.items()
+                    if key in like and key not in result.missing
+                }
+                zero.load_state_shards(filled)
+            if not load_module_only and "imported_from" in meta["metadata"]:
+                _engine_json.restore_imported(self, saved)
+            elif not load_module_only:
+                _engine_json.restore(self, saved, optimizer=with_optimizer,
+                                     scheduler=load_lr_scheduler_states)  # fmt: skip
+                rows = {k.removeprefix(RNG_PREFIX): like[k].local for k in streams}
+                restore_rng(rows, self.device.type)
+            client = {k: like[k] for k in like if k.startswith(f"{_CLIENT}/")}
+        except BaseException as exc:
+            self._load_failure = f"{type(exc).__name__}: {exc}"
+            raise
+        self._load_failure = None
         return str(result.path), join_client_state(saved.get(_CLIENT, {}), client)
 
     def _rng_like(self, meta: dict[str, Any]) -> dict[str, Any]:

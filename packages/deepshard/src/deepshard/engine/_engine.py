@@ -172,6 +172,7 @@ class DeepShardEngine(
         self._destroyed = False
         self.training_dataloader: Any = None  # `initialize` sets the loader it built
         self._pending_save = None  # a background checkpoint save (checkpoint.async_save)
+        self._load_failure: str | None = None  # a load_checkpoint that failed while filling
         self._tp_inputs = TpInputCheck(parts.dims, parts.device)
         self._save_prepared = False  # its host buffers were readied (after the first step)
         self._declare_boundary()
@@ -191,6 +192,7 @@ class DeepShardEngine(
         """Run the module's forward (under autocast / with fp16 inputs, and with the saved
         activations offloaded to the host, when configured)."""
         precision = self.parts.precision
+        self._require_loaded("engine.forward()")
         if self.optimizer is not None:  # offloaded parameters are empty
             self.optimizer.check_resident("engine.forward()")
         self.parts.profiling.before_forward(self.global_steps)
@@ -264,6 +266,7 @@ class DeepShardEngine(
                 is inside ``no_sync()``.
         """
         zero = self._require_optimizer("step")
+        self._require_loaded("engine.step()")
         if self._in_no_sync:
             raise CommError(
                 "engine.step() was called inside engine.no_sync(); leave the block first (its "

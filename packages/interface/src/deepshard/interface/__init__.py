@@ -11,6 +11,7 @@ from deepshard.interface.errors import (
     ConfigError,
     DeepShardError,
     LaunchError,
+    PartialLoadError,
     TopologyError,
 )
 from deepshard.interface.expert_transport import ExpertTransport
@@ -45,6 +46,7 @@ __all__ = [
     "ParallelizedModel",
     "ParamPlacement",
     "ParamShapes",
+    "PartialLoadError",
     "PartitionedParams",
     "PlacementRegistry",
     "Replicate",

@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "DeepShardError",
     "LaunchError",
+    "PartialLoadError",
     "TopologyError",
 ]
 
@@ -62,6 +63,14 @@ class TopologyError(DeepShardError, ValueError):
 
 class CheckpointError(DeepShardError):
     """A checkpoint is missing, corrupt, or does not match the model or topology."""
+
+
+class PartialLoadError(CheckpointError):
+    """A load failed after it had started writing into the tensors it fills.
+
+    Those tensors are partly overwritten: load a good checkpoint (or rebuild them) before using
+    them. A load that fails before writing anything raises a plain `CheckpointError`.
+    """
 
 
 class LaunchError(DeepShardError):

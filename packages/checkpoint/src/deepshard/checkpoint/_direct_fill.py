@@ -24,7 +24,7 @@ from deepshard.checkpoint._reshard import Copy
 from deepshard.checkpoint._safetensors_io import bytes_of, read_header
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["DirectRead", "FillTask", "direct_reads", "fill_direct", "split_direct"]
+__all__ = ["DirectRead", "FillTask", "direct_reads", "fill_direct", "read_into", "split_direct"]
 
 _CHUNK_BYTES = 32 << 20  # one read of `fill_direct`: large, and many of them for the threads
 
@@ -104,7 +104,7 @@ def direct_reads(tag_dir: Path, tasks: list[FillTask]) -> list[DirectRead]:
     return reads
 
 
-def _read_into(fd: int, target: memoryview, offset: int, where: Path) -> int:
+def read_into(fd: int, target: memoryview, offset: int, where: Path) -> int:
     """Fill ``target`` with the bytes of ``fd`` from ``offset`` on; return its length."""
     total = len(target)
     while len(target):
@@ -130,8 +130,8 @@ def fill_direct(
                 handles[read.file] = os.open(tag_dir / read.file, os.O_RDONLY)
         args = [(handles[r.file], r.target, r.offset, tag_dir / r.file) for r in reads]
         if pool is None:
-            return sum(_read_into(*arg) for arg in args)
-        futures = [pool.submit(_read_into, *arg) for arg in args]
+            return sum(read_into(*arg) for arg in args)
+        futures = [pool.submit(read_into, *arg) for arg in args]
         try:
             return sum(future.result() for future in futures)
         finally:

@@ -1,12 +1,14 @@
-"""Checking the bytes a direct fill put in place, where they landed.
+"""Filling straight into place and checking the bytes where they landed.
 
-`_direct_fill.fill_direct` reads plain byte ranges of the data files straight into the caller's
-tensors. With a digest faster than memory copies (XXH3-64, format 3), the load checks those
-bytes after they landed instead of reading every block twice (once to check it, once more from
-the page cache to fill): for each needed block, in file order, `check_landed` feeds the
-block's bytes to a fresh digest, taking each range from the destination that received it and
-reading only the bytes no read put anywhere (the header, the alignment gaps, entries or parts
-of entries this rank does not load) from the file, through one block-sized buffer.
+`_direct_fill` reads plain byte ranges of the data files straight into the caller's tensors.
+With a digest faster than memory copies (XXH3-64, format 3), the load checks those bytes after
+they landed instead of reading every block twice (once to check it, once more from the page
+cache to fill): `fill_checked` performs the reads in file order on the calling thread and,
+as soon as no read still to come can touch a needed block, hands it to a helper thread, where
+`LandedBlocks` feeds the block's bytes to a fresh digest, taking each range from the
+destination that received it and reading only the bytes no read put anywhere (the header,
+alignment gaps, entries or parts of entries this rank does not load) from the file, through
+one block-sized buffer. The hashing overlaps the next reads, on bytes still in the caches.
 
 The check sees exactly the bytes the caller got: a file rewritten between a check and a fill
 cannot slip past it. It costs one pass over the loaded memory (XXH3 hashes ~19 GB/s per core
@@ -20,21 +22,24 @@ are passed over (a prefix of them is dropped for good once it ends before the bl
 only move forward); the read holding the cursor gives its bytes up to its end or ``hi``; if
 the next read starts after the cursor, or none is left, the gap up to it (or ``hi``) is read
 from the file. Reads may overlap (two destinations filled from the same bytes): the first
-one holding the cursor is used.
+one holding the cursor is used. A block is ready once the read after the last one performed
+starts at or after the block's end: every read that overlaps it starts before that end, so
+it is one of those performed.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from deepshard.checkpoint._block_read import BlockDigests, Hasher, mismatch
-from deepshard.checkpoint._direct_fill import DirectRead
+from deepshard.checkpoint._direct_fill import DirectRead, read_into
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["OVERWRITTEN", "check_landed"]
+__all__ = ["OVERWRITTEN", "LandedBlocks", "fill_checked"]
 
 OVERWRITTEN = (
     "; the tensors being loaded were already filled from the file and are now partly "
@@ -88,52 +93,130 @@ def _feed_block(digest: Hasher, reads: Sequence[DirectRead], first: int, lo: int
         at = stop
 
 
-def _check_file(path: Path, reads: list[DirectRead], order: list[int], size: int,
-                expected: BlockDigests) -> None:  # fmt: skip
-    if order[-1] >= len(expected.digests) or order[-1] * BLOCK_BYTES >= size:
-        raise mismatch(path, order[-1], expected, OVERWRITTEN)
-    reads = sorted(reads, key=lambda read: read.offset)
-    gaps = _Gaps(path)
-    first = 0
-    try:
-        for index in order:
-            lo, hi = index * BLOCK_BYTES, min(size, (index + 1) * BLOCK_BYTES)
-            while first < len(reads) and reads[first].offset + len(reads[first].target) <= lo:
-                first += 1
-            digest = expected.start()
-            _feed_block(digest, reads, first, lo, hi, gaps)
-            if not expected.matches(index, digest.hexdigest()):
-                raise mismatch(path, index, expected, OVERWRITTEN)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc}); the file is damaged") from exc
-    finally:
-        gaps.close()
+class LandedBlocks:
+    """Checks blocks of one file from the reads that landed (and the file between them).
+
+    Blocks must be asked for in increasing order, over any number of `check` calls; one
+    thread at a time.
+    """
+
+    def __init__(self, path: Path, reads: Sequence[DirectRead], size: int,
+                 expected: BlockDigests) -> None:  # fmt: skip
+        self.path, self.size, self.expected = path, size, expected
+        self.reads = sorted(reads, key=lambda read: read.offset)
+        self.gaps = _Gaps(path)
+        self.first = 0  # reads before this one end before the next block asked for
+
+    def check(self, indices: Sequence[int]) -> None:
+        """Check ``indices`` (increasing, after those of earlier calls).
+
+        Raises:
+            CheckpointError: A block does not match, lies past the digests or the file, or a
+                gap cannot be read.
+        """
+        expected, reads = self.expected, self.reads
+        try:
+            for index in indices:
+                lo, hi = index * BLOCK_BYTES, min(self.size, (index + 1) * BLOCK_BYTES)
+                if index >= len(expected.digests) or lo >= self.size:
+                    raise mismatch(self.path, index, expected, OVERWRITTEN)
+                while self.first < len(reads) and _end(reads[self.first]) <= lo:
+                    self.first += 1
+                digest = expected.start()
+                _feed_block(digest, reads, self.first, lo, hi, self.gaps)
+                if not expected.matches(index, digest.hexdigest()):
+                    raise mismatch(self.path, index, expected, OVERWRITTEN)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: cannot read ({exc}); the file is damaged") from exc
+
+    def close(self) -> None:
+        """Close the file the gaps were read from."""
+        self.gaps.close()
 
 
-def check_landed(
+def _end(read: DirectRead) -> int:
+    return read.offset + len(read.target)
+
+
+def fill_checked(
     tag_dir: Path,
     reads: Sequence[DirectRead],
     blocks: Mapping[str, set[int]],
     digests: Mapping[str, BlockDigests],
     sizes: Mapping[str, int],
-) -> None:
-    """Check ``blocks`` of each file against ``digests``, from the bytes ``reads`` put in place.
+) -> int:
+    """Perform ``reads`` and check ``blocks`` of each file where their bytes landed.
+
+    The reads run on this thread in file order, one file after another (one sequential stream,
+    what a disk reads fastest); each needed block is checked on a helper thread as soon as no
+    read still to come can touch it (the next read starts at or after the block's end), so the
+    hashing overlaps the next reads while the block's bytes are still in the caches.
 
     Args:
         tag_dir: The tag directory holding the files.
-        reads: The reads `fill_direct` performed (their targets hold the file's bytes now).
+        reads: What to read where (`_direct_fill.direct_reads`).
         blocks: The block indices to check, by file.
-        digests: Each file's saved block digests.
-        sizes: Each file's length (already checked against the metadata).
+        digests: The saved block digests of each file in ``blocks``.
+        sizes: The length of each file in ``blocks`` (already checked against the metadata).
+
+    Returns:
+        The number of bytes read into the destinations.
 
     Raises:
-        CheckpointError: A block does not match its digest (the message says the destinations
-            were partly overwritten), or a gap cannot be read.
+        CheckpointError: A read fails, or a block does not match its digest (the message says
+            the destinations were partly overwritten).
     """
-    by_file: dict[str, list[DirectRead]] = {}
+    by_file: dict[str, list[DirectRead]] = {file: [] for file in blocks}
     for read in reads:
         by_file.setdefault(read.file, []).append(read)
-    for file, wanted in sorted(blocks.items()):
-        if wanted:
-            path = tag_dir / file
-            _check_file(path, by_file.get(file, []), sorted(wanted), sizes[file], digests[file])
+    total = 0
+    checks: list[Future[None]] = []
+    checkers: list[LandedBlocks] = []
+    try:
+        with ThreadPoolExecutor(1, "deepshard-checkpoint-landed") as helper:
+            for file, file_reads in sorted(by_file.items()):
+                path = tag_dir / file
+                file_reads.sort(key=lambda read: read.offset)
+                wanted = sorted(blocks.get(file, ()))
+                checker = None
+                if wanted:
+                    checker = LandedBlocks(path, file_reads, sizes[file], digests[file])
+                    checkers.append(checker)
+                total += _read_file(path, file_reads, wanted, checker, helper, checks)
+            for check in checks:
+                check.result()  # the first mismatch, in file order
+    finally:
+        for checker in checkers:
+            checker.close()
+    return total
+
+
+def _read_file(path: Path, reads: list[DirectRead], wanted: list[int],
+               checker: LandedBlocks | None, helper: ThreadPoolExecutor,
+               checks: list[Future[None]]) -> int:  # fmt: skip
+    """Read ``reads`` (sorted) of ``path``, handing ``checker`` each block once it is ready."""
+    total, ready = 0, 0
+    try:
+        fd = os.open(path, os.O_RDONLY) if reads else -1
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc}); it is damaged") from exc
+    try:
+        for position, read in enumerate(reads):
+            total += read_into(fd, read.target, read.offset, path)
+            after = reads[position + 1].offset if position + 1 < len(reads) else None
+            done = ready
+            while done < len(wanted) and (
+                after is None or (wanted[done] + 1) * BLOCK_BYTES <= after
+            ):
+                done += 1  # no read still to come can touch this block
+            if checker is not None and done > ready:
+                checks.append(helper.submit(checker.check, wanted[ready:done]))
+                ready = done
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc}); it is damaged") from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if checker is not None and ready < len(wanted):  # blocks no read touched
+        checks.append(helper.submit(checker.check, wanted[ready:]))
+    return total

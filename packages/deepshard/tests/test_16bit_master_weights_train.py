@@ -221,23 +221,31 @@ def test_two_ranks_follow_the_reference_with_half_the_state() -> None:
             assert torch.equal(ranks[0][stage]["params"][name], ranks[1][stage]["params"][name])
 
 
-def _refused_initialize(mesh: Any, optimizer_config: dict[str, Any], offload: bool) -> str:
+def _refused_initialize(mesh: Any) -> str:
     """The error of an ``initialize`` DeepShard refuses: an optimizer keeping fp32 moments while
-    the config asks for bf16 ones, or Muon with optimizer offload."""
+    the config asks for bf16 ones."""
     import deepshard.engine as ds
     from deepshard.optimizers import AdamW
 
-    config = _config(3 if offload else 2, 1)
     model = _model()
-    optimizer = None
-    if optimizer_config:
-        config["optimizer"] = optimizer_config
-    else:  # the caller's own optimizer, keeping fp32 moments
-        optimizer = AdamW(model.parameters(), lr=LR, fp32_optimizer_states=True)
-    if offload:
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    optimizer = AdamW(model.parameters(), lr=LR, fp32_optimizer_states=True)
     with pytest.raises(ConfigError) as caught:
-        ds.initialize(model, config, optimizer=optimizer, mesh=mesh)
+        ds.initialize(model, _config(2, 1), optimizer=optimizer, mesh=mesh)
+    return str(caught.value)
+
+
+def _refused_muon_fp16(mesh: Any) -> str:
+    """The error of Muon with fp16 masters (stepped only by the CPU Adam kernel)."""
+    import deepshard.engine as ds
+
+    config = {
+        "train_batch_size": MICRO,
+        "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "Muon", "params": MUON},
+    }
+    with pytest.raises(ConfigError) as caught:
+        ds.initialize(_model(), config, mesh=mesh)
     return str(caught.value)
 
 
@@ -304,13 +312,13 @@ def test_configs_it_cannot_honour_are_refused_by_key() -> None:
     assert "needs bf16.enabled" in _problems(enabled=False, **both)
     assert "stage >= 1" in _problems(**both, zero={"stage": 0})
     # refused once the model and optimizer exist: a caller's optimizer keeping fp32 moments,
-    # and Muon with optimizer offload
+    # and Muon with fp16 masters
     own, muon = (
-        run_on_mesh(_refused_initialize, 1, args=args, timeout_s=60)[0]
-        for args in (({}, False), ({"type": "Muon", "params": MUON}, True))
+        run_on_mesh(refused, 1, timeout_s=60)[0]
+        for refused in (_refused_initialize, _refused_muon_fp16)
     )
     assert "bf16.bf16_optimizer_states" in own and "fp32_optimizer_states=False" in own
-    assert key in muon and "Muon and optimizer offload is planned" in muon
+    assert "fp16.fp16_master_weights_and_grads" in muon and "does not run with Muon" in muon
     # the supported combinations validate
     for bf16, zero in ((both, {"stage": 1}), (masters, offload), (both, offload)):
         DeepShardConfig.from_dict(
@@ -351,6 +359,53 @@ def test_a_checkpoint_loads_across_master_precisions(saved_bf16: bool, tmp_path:
     for saved, loaded in pairs:
         assert saved.dtype != loaded.dtype
         assert torch.equal(loaded, saved.to(loaded.dtype))
+
+
+def _muon_offloaded(mesh: Any, states: bool) -> dict[str, Any]:
+    """Config-built Muon at stage 3 with its partitions offloaded (Muon steps the host masters
+    itself, Newton-Schulz having run on the device on the whole reduced gradient)."""
+    import deepshard.engine as ds
+
+    config = _config(3, 1) | {"optimizer": {"type": "Muon", "params": MUON}}
+    config["bf16"]["bf16_optimizer_states"] = states
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = ds.initialize(_model(), config, mesh=mesh)
+    losses = _steps(engine, 0, range(STEPS))
+    host = engine.optimizer.inner.param_groups
+    moments = [
+        t
+        for s in engine.optimizer.inner.state.values()
+        for k, t in s.items()
+        if k.startswith("exp_avg")
+    ]
+    return {
+        "losses": losses,
+        "params": _params(engine, 3),
+        "masters": sorted({f"{p.device.type} {p.dtype}" for g in host for p in g["params"]}),
+        "moments": sorted({str(t.dtype) for t in moments}),
+        "host_step": engine.optimizer._offload is not None,
+    }
+
+
+@pytest.mark.slow  # two one-rank engines; the main run has them
+@pytest.mark.parametrize("states", [True, False])
+def test_muon_steps_offloaded_bf16_masters(states: bool) -> None:
+    """Muon with bf16 masters on the host: its Adam half keeps bf16 moments under
+    ``bf16_optimizer_states`` and fp32 ones without (DeepSpeed's CPU-offload mode), and 4 steps
+    follow plain Muon on a bf16 model with the same moments within two bf16 steps, as on the
+    device."""
+    from deepshard.optimizers import Muon
+
+    [out] = run_on_mesh(_muon_offloaded, 1, args=(states,), timeout_s=120)
+    model = _model().bfloat16()
+    named = list(model.named_parameters())
+    ref = _alone(model, Muon(named, **MUON, fp32_optimizer_states=not states))
+    assert out["host_step"] and out["masters"] == ["cpu torch.bfloat16"]
+    assert out["moments"] == ["torch.bfloat16" if states else "torch.float32"]
+    ulps = 2.0**-6
+    torch.testing.assert_close(out["losses"], ref["losses"], rtol=ulps, atol=0)
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(out["params"][name], value, rtol=ulps, atol=0)
 
 
 # --- DeepSpeed's other mode: bf16 masters with fp32 moments, stepped on the host -------------

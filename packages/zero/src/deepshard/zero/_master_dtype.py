@@ -24,9 +24,12 @@ What DeepShard runs, and why the rest is refused:
   parameters' own precision, so a device-resident buffer or partition is its own master;
 * any optimizer offload (``cpu``, ``nvme``, a partial ``ratio``: its device share keeps
   16-bit masters too and steps them widened to fp32, as the kernel does);
-* Muon on the device (its momentum follows the gradients' dtype, its Adam half the optimizer's
-  ``fp32_optimizer_states``, which the engine sets from ``bf16_optimizer_states``); Muon with
-  optimizer offload is planned.
+* Muon with bf16 masters, on the device or offloaded (stage 3, ``device: "cpu"``: Newton-Schulz
+  runs on the device on the whole reduced gradient, Muon steps the bf16 host masters itself);
+  its momentum follows the gradients' dtype, as plain Muon's follows a bf16 model's gradients,
+  and its Adam half the optimizer's ``fp32_optimizer_states``, which the engine sets from
+  ``bf16_optimizer_states``. Muon with fp16 masters is refused: those are stepped by the CPU
+  Adam kernel only, as in DeepSpeed.
 
 The config-level rules (``enabled``, the stage, ``bf16_optimizer_states`` against offload)
 live in `deepshard.interface.config`'s cross-checks, so ``initialize`` refuses them before
@@ -84,10 +87,11 @@ def master_dtype_problems(
             (key, 'needs zero_optimization.offload_optimizer ("cpu" or "nvme"): fp16 masters '
              "are stepped with fp32 moments by the CPU Adam kernel (as DeepSpeed)")
         )  # fmt: skip
-    if transformed and device != "none":
+    if transformed and master_dtype == torch.float16:
         problems.append(
-            (key, "with Muon and optimizer offload is planned (Muon steps fp32 host masters); "
-             "remove offload_optimizer or use AdamW")
+            (key, "does not run with Muon: fp16 masters are stepped by the CPU Adam kernel, "
+             "which takes the loss scale off before widening (DeepSpeed requires its CPU Adam "
+             "for them too); use bf16 masters (bf16.bf16_master_weights_and_grads) with Muon")
         )  # fmt: skip
     return problems
 

@@ -207,14 +207,17 @@ def run_hf_static(model: torch.nn.Module, requests: Sequence[Request], batch: in
 
 
 def run_deepshard(model: torch.nn.Module, requests: Sequence[Request], batch: int) -> RunResult:
-    """DeepShard's continuous batching, greedy, ``max_batch_size=batch``."""
+    """DeepShard's continuous batching, greedy, ``max_batch_size=batch``, under
+    ``torch.inference_mode()`` as `InferenceEngine.generate` runs it."""
     from deepshard.inference._loop import generate_requests
     from deepshard.inference._sampling import GenerationRequest
 
     asks = [GenerationRequest(i, r.prompt, r.max_new_tokens) for i, r in enumerate(requests)]
 
     def body() -> list[tuple[int, ...]]:
-        results = generate_requests(model, asks, max_batch_size=batch, pad_token_id=PAD)
+        results = generate_requests(
+            model, asks, max_batch_size=batch, pad_token_id=PAD, inference_mode=True
+        )
         if [r.request_id for r in results] != list(range(len(asks))):
             raise RuntimeError("generate_requests returned its results out of request order")
         return [tuple(r.tokens) for r in results]

@@ -8,7 +8,9 @@ One process, one thread, CPU, fp32: a seeded tiny ``LlamaForCausalLM`` built fro
 32 requests that all arrive at time zero, with seeded mixed prompt lengths (4-96 tokens) and
 mixed budgets (8-96 new tokens), greedy, no EOS. The engines (`_inference_worker`):
 
-* ``deepshard-cb``: `deepshard.inference._loop.generate_requests` with ``max_batch_size`` B;
+* ``deepshard-cb``: `deepshard.inference._loop.generate_requests` with ``max_batch_size`` B,
+  under ``torch.inference_mode()`` as ``InferenceEngine.generate`` runs it (HF's ``generate``
+  runs under its own ``torch.no_grad()``);
 * ``hf-static``: Hugging Face ``generate`` on static left-padded batches of B requests in
   arrival order, each batch decoding until its longest budget is spent;
 * ``deepspeed-cb``: DeepSpeed 0.19.7's rollout continuous-batching prototype

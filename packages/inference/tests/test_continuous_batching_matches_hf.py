@@ -5,7 +5,10 @@ Twelve requests of mixed prompt lengths (1-10) and budgets (1-12) go through
 others decode — and each request's tokens equal Hugging Face ``generate`` run on that request
 alone (greedy, its own dynamic cache), and equal the loop at batch size 1. EOS ids are taken
 from those independent greedy outputs, so some requests stop early. Sampled requests with their
-own seeds give the same tokens whatever the batch size and the order of submission.
+own seeds give the same tokens whatever the batch size and the order of submission. Under
+``inference_mode=True`` (what `InferenceEngine` runs) the tokens are the same, the forwards run
+in inference mode, and the model still trains afterwards (nothing it keeps became an inference
+tensor).
 """
 
 from __future__ import annotations
@@ -53,6 +56,30 @@ def test_greedy_equals_one_request_at_a_time_hf_generate(name: str) -> None:
     assert sum(result.finished_by_eos for result in results) >= 2
     single = generate_requests(model, requests, max_batch_size=1, pad_token_id=0)
     assert _tokens(single) == expected
+
+
+def test_inference_mode_gives_the_same_tokens_and_the_model_still_trains() -> None:
+    model = models.tiny_llama()
+    requests = models.mixed_requests(8, seed=5)
+    sampled = [dataclasses.replace(r, do_sample=True, seed=i) for i, r in enumerate(requests)]
+    modes: list[bool] = []
+    model.register_forward_pre_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
+    plain = generate_requests(model, requests, max_batch_size=3, pad_token_id=0)
+    assert modes and not any(modes)
+    modes.clear()
+    fast = generate_requests(model, requests, max_batch_size=3, pad_token_id=0, inference_mode=True)
+    assert modes and all(modes)
+    assert _tokens(fast) == _tokens(plain)
+    drawn = [
+        _tokens(
+            generate_requests(model, sampled, max_batch_size=3, pad_token_id=0, inference_mode=m)
+        )
+        for m in (False, True)
+    ]
+    assert drawn[0] == drawn[1]
+    ids = torch.tensor([list(requests[0].prompt)])
+    model(input_ids=ids, labels=ids).loss.backward()  # a training step after: no inference tensor
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))

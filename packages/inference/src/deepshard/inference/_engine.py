@@ -3,8 +3,9 @@
 The engine casts the model to the configured dtype, puts it in eval mode, optionally splits it
 over a tensor-parallel group through a `deepshard.interface.ModelParallelizer` (this package
 never imports AutoTP; ``deepshard.engine.init_inference`` passes one), loads a safetensors
-checkpoint, and generates by continuous batching (`generate_requests`) over DeepShard's own
-static KV cache. ``generate`` takes and returns padded batches like Hugging Face's.
+checkpoint, and generates by continuous batching (`generate_requests`, under
+``torch.inference_mode()``: the engine's model is for evaluation) over DeepShard's own static
+KV cache. ``generate`` takes and returns padded batches like Hugging Face's.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class InferenceEngine:
             pad_token_id=pad,
             kv_heads=self._parallel.kv_heads,
             profile=self._profile,
+            inference_mode=True,  # an inference engine's model is not trained after
         )
         return _padded(ids, results, pad)
 

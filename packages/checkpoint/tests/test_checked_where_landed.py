@@ -75,7 +75,7 @@ def test_a_damaged_byte_names_its_block_whether_read_or_in_a_gap(tmp_path: Path)
     data, digests = _file(tmp_path)
     _damage(tmp_path, data, 6 * _BLOCK + 8)  # inside reads[4]: lands in a destination
     start = 6 * _BLOCK
-    message = rf"f does not match its XXH3-64 .*bytes \[{start}, .*partly overwritten"
+    message = rf"f does not match its XXH3-64 .*bytes \[{start}, "
     reads = _reads(_SPANS)
     with pytest.raises(CheckpointError, match=message):
         _fill(tmp_path, reads, set(range(8)), digests, len(data))

@@ -118,13 +118,12 @@ def block_runs(blocks: set[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def mismatch(path: Path, index: int, expected: BlockDigests, after: str = "") -> CheckpointError:
-    """The error for block ``index`` of ``path`` not matching ``expected`` (``after``: more)."""
+def mismatch(path: Path, index: int, expected: BlockDigests) -> CheckpointError:
+    """The error for block ``index`` of ``path`` not matching ``expected``."""
     start = index * BLOCK_BYTES
     return CheckpointError(
         f"{path} does not match its {expected.name} in the metadata (bytes [{start}, "
-        f"{start + BLOCK_BYTES})): it is corrupt or was modified; restore it or load another "
-        f"tag{after}"
+        f"{start + BLOCK_BYTES})): it is corrupt or was modified; restore it or load another tag"
     )
 
 

@@ -14,7 +14,7 @@ The check sees exactly the bytes the caller got: a file rewritten between a chec
 cannot slip past it. It costs one pass over the loaded memory (XXH3 hashes ~19 GB/s per core
 on the machines measured) where the earlier design paid a copy out of the page cache. Its
 price: a block that does not match is found after its bytes were written into the
-destination, so the error says that the tensors being loaded were partly overwritten.
+destination (``load`` turns the error into a `PartialLoadError` saying so).
 
 Algorithm, for one file, its reads sorted by file offset and its needed blocks in order: a
 cursor walks each block ``[lo, hi)`` from ``lo``. The reads that end at or before the cursor
@@ -39,13 +39,7 @@ from deepshard.checkpoint._direct_fill import DirectRead, read_into
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["OVERWRITTEN", "LandedBlocks", "fill_checked"]
-
-OVERWRITTEN = (
-    "; the tensors being loaded were already filled from the file and are now partly "
-    "overwritten: load a good checkpoint (or rebuild them) before using them"
-)
-"""What a mismatch found after the fill adds to its message."""
+__all__ = ["LandedBlocks", "fill_checked"]
 
 
 class _Gaps:
@@ -119,13 +113,13 @@ class LandedBlocks:
             for index in indices:
                 lo, hi = index * BLOCK_BYTES, min(self.size, (index + 1) * BLOCK_BYTES)
                 if index >= len(expected.digests) or lo >= self.size:
-                    raise mismatch(self.path, index, expected, OVERWRITTEN)
+                    raise mismatch(self.path, index, expected)
                 while self.first < len(reads) and _end(reads[self.first]) <= lo:
                     self.first += 1
                 digest = expected.start()
                 _feed_block(digest, reads, self.first, lo, hi, self.gaps)
                 if not expected.matches(index, digest.hexdigest()):
-                    raise mismatch(self.path, index, expected, OVERWRITTEN)
+                    raise mismatch(self.path, index, expected)
         except OSError as exc:
             raise CheckpointError(f"{self.path}: cannot read ({exc}); the file is damaged") from exc
 
@@ -163,8 +157,7 @@ def fill_checked(
         The number of bytes read into the destinations.
 
     Raises:
-        CheckpointError: A read fails, or a block does not match its digest (the message says
-            the destinations were partly overwritten).
+        CheckpointError: A read fails, or a block does not match its digest.
     """
     by_file: dict[str, list[DirectRead]] = {file: [] for file in blocks}
     for read in reads:

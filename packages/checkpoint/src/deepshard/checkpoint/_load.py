@@ -54,6 +54,12 @@ from deepshard.interface.errors import CheckpointError, PartialLoadError
 
 __all__ = ["load", "load_state_dict_from_checkpoint", "torch_dtype"]
 
+_OVERWRITTEN = (
+    "; the tensors being loaded were already filled from the files and are now partly "
+    "overwritten: load a good checkpoint (or rebuild them) before using them"
+)
+"""What an error of the fill phase adds to its message (`PartialLoadError`)."""
+
 _THREADS = 8  # hash / read threads of one rank (hashing one block is ~1.3 GB/s per core)
 
 
@@ -408,7 +414,7 @@ def load(
     try:
         _agree(members, _attempt(fill), "the end of loading", timeout_s)
     except CheckpointError as exc:
-        raise PartialLoadError(str(exc)) from exc
+        raise PartialLoadError(f"{exc}{_OVERWRITTEN}") from exc
     missing, unexpected = found["keys"]
     metadata = dict(found["meta"]["metadata"])
     return LoadResult(found["dir"], metadata, missing, unexpected, found["read"])

@@ -50,7 +50,7 @@ def _small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _fill(tmp_path: Path, reads: list[DirectRead], blocks: set[int], digests: BlockDigests,
           size: int) -> int:  # fmt: skip
-    return _landed.fill_checked(tmp_path, reads, {"f": blocks}, {"f": digests}, {"f": size})
+    return _landed.fill_checked(tmp_path, reads, {"f": _landed.BlockCheck(blocks, digests, size)})
 
 
 def _damage(tmp_path: Path, data: bytes, at: int) -> None:

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 import xxhash
 
-from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, bytes_of, fast_digest
+from deepshard.checkpoint._safetensors_io import BLOCK_BYTES, bytes_of
 from deepshard.interface.errors import CheckpointError
 
 __all__ = [
@@ -60,10 +60,6 @@ class Region:
     data: torch.Tensor
 
 
-def _sha256(data: memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 class Hasher(Protocol):
     """A digest fed piece by piece (``hashlib`` and ``xxhash`` objects)."""
 
@@ -79,28 +75,34 @@ class BlockDigests:
     Attributes:
         name: The algorithm, for messages (``"XXH3-64"``, ``"SHA-256"``).
         digests: The hex digest of each `BLOCK_BYTES` block, from the file's start.
-        compute: The hex digest of a block's bytes (must release the GIL: it runs on threads).
         threaded: Whether `verify_blocks` hashes on a pool's threads (a digest slower than the
             disk) or block by block in file order on the calling thread (one that is not). A
             load checks a digest that is not threaded where the bytes landed (`_landed`).
-        start: A fresh digest to feed a block's bytes piece by piece.
+        start: A fresh digest to feed a block's bytes piece by piece (its ``update`` must
+            release the GIL: blocks are hashed on threads).
     """
 
     name: str
     digests: Sequence[str]
-    compute: Callable[[memoryview], str]
     threaded: bool
     start: Callable[[], Hasher]
 
     @classmethod
     def sha256(cls, digests: Sequence[str]) -> BlockDigests:
         """Block digests in SHA-256 (``block_sha256``; what formats 1-2 load with)."""
-        return cls("SHA-256", digests, _sha256, threaded=True, start=hashlib.sha256)
+        return cls("SHA-256", digests, threaded=True, start=hashlib.sha256)
 
     @classmethod
     def xxh3(cls, digests: Sequence[str]) -> BlockDigests:
         """Block digests in XXH3-64 (``block_xxh3``, format 3)."""
-        return cls("XXH3-64", digests, fast_digest, threaded=False, start=xxhash.xxh3_64)
+        return cls("XXH3-64", digests, threaded=False, start=xxhash.xxh3_64)
+
+    def compute(self, data: memoryview) -> str:
+        """The hex digest of one block's bytes, through ``update`` (which releases the GIL;
+        xxhash's one-shot functions hold it, so hashing threads would take turns)."""
+        digest = self.start()
+        digest.update(data)
+        return digest.hexdigest()
 
     def matches(self, index: int, digest: str) -> bool:
         """Whether block ``index`` was saved with ``digest``."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from deepshard.checkpoint._block_read import BlockDigests, Hasher, mismatch
@@ -39,7 +40,22 @@ from deepshard.checkpoint._direct_fill import DirectRead, read_into
 from deepshard.checkpoint._safetensors_io import BLOCK_BYTES
 from deepshard.interface.errors import CheckpointError
 
-__all__ = ["LandedBlocks", "fill_checked"]
+__all__ = ["BlockCheck", "LandedBlocks", "fill_checked"]
+
+
+@dataclass(frozen=True)
+class BlockCheck:
+    """The blocks of one data file to check where they landed.
+
+    Attributes:
+        blocks: Their indices.
+        digests: The file's saved block digests.
+        size: The file's length (already checked against the metadata).
+    """
+
+    blocks: set[int]
+    digests: BlockDigests
+    size: int
 
 
 class _Gaps:
@@ -55,17 +71,16 @@ class _Gaps:
             self.fd = os.open(self.path, os.O_RDONLY)
             self.buffer = memoryview(bytearray(BLOCK_BYTES))
         view = self.buffer[: hi - lo]
-        done = 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], lo + done)
-            if not got:
-                raise CheckpointError(f"{self.path} ended at byte {lo + done}: truncated")
-            done += got
+        read_into(self.fd, view, lo, self.path)
         return view
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
+
+
+def _end(read: DirectRead) -> int:
+    return read.offset + len(read.target)
 
 
 def _feed_block(digest: Hasher, reads: Sequence[DirectRead], first: int, lo: int, hi: int,
@@ -74,7 +89,7 @@ def _feed_block(digest: Hasher, reads: Sequence[DirectRead], first: int, lo: int
     at, index = lo, first
     while at < hi:
         read = reads[index] if index < len(reads) else None
-        if read is not None and read.offset + len(read.target) <= at:
+        if read is not None and _end(read) <= at:
             index += 1  # wholly behind the cursor
             continue
         if read is None or read.offset > at:  # nothing holds the cursor: from the file
@@ -82,7 +97,7 @@ def _feed_block(digest: Hasher, reads: Sequence[DirectRead], first: int, lo: int
             digest.update(gaps.read(at, stop))
             at = stop
             continue
-        stop = min(hi, read.offset + len(read.target))
+        stop = min(hi, _end(read))
         digest.update(read.target[at - read.offset : stop - read.offset])
         at = stop
 
@@ -90,14 +105,13 @@ def _feed_block(digest: Hasher, reads: Sequence[DirectRead], first: int, lo: int
 class LandedBlocks:
     """Checks blocks of one file from the reads that landed (and the file between them).
 
-    Blocks must be asked for in increasing order, over any number of `check` calls; one
-    thread at a time.
+    ``reads`` are the file's reads sorted by offset. Blocks must be asked for in increasing
+    order, over any number of `check` calls; one thread at a time.
     """
 
     def __init__(self, path: Path, reads: Sequence[DirectRead], size: int,
                  expected: BlockDigests) -> None:  # fmt: skip
-        self.path, self.size, self.expected = path, size, expected
-        self.reads = sorted(reads, key=lambda read: read.offset)
+        self.path, self.size, self.expected, self.reads = path, size, expected, reads
         self.gaps = _Gaps(path)
         self.first = 0  # reads before this one end before the next block asked for
 
@@ -128,16 +142,8 @@ class LandedBlocks:
         self.gaps.close()
 
 
-def _end(read: DirectRead) -> int:
-    return read.offset + len(read.target)
-
-
 def fill_checked(
-    tag_dir: Path,
-    reads: Sequence[DirectRead],
-    blocks: Mapping[str, set[int]],
-    digests: Mapping[str, BlockDigests],
-    sizes: Mapping[str, int],
+    tag_dir: Path, reads: Sequence[DirectRead], checks: Mapping[str, BlockCheck]
 ) -> int:
     """Perform ``reads`` and check ``blocks`` of each file where their bytes landed.
 
@@ -149,9 +155,7 @@ def fill_checked(
     Args:
         tag_dir: The tag directory holding the files.
         reads: What to read where (`_direct_fill.direct_reads`).
-        blocks: The block indices to check, by file.
-        digests: The saved block digests of each file in ``blocks``.
-        sizes: The length of each file in ``blocks`` (already checked against the metadata).
+        checks: The blocks to check, by file.
 
     Returns:
         The number of bytes read into the destinations.
@@ -159,25 +163,26 @@ def fill_checked(
     Raises:
         CheckpointError: A read fails, or a block does not match its digest.
     """
-    by_file: dict[str, list[DirectRead]] = {file: [] for file in blocks}
+    by_file: dict[str, list[DirectRead]] = {file: [] for file in checks}
     for read in reads:
         by_file.setdefault(read.file, []).append(read)
     total = 0
-    checks: list[Future[None]] = []
+    pending: list[Future[None]] = []
     checkers: list[LandedBlocks] = []
     try:
         with ThreadPoolExecutor(1, "deepshard-checkpoint-landed") as helper:
             for file, file_reads in sorted(by_file.items()):
                 path = tag_dir / file
                 file_reads.sort(key=lambda read: read.offset)
-                wanted = sorted(blocks.get(file, ()))
+                check = checks.get(file)
+                wanted = sorted(check.blocks) if check is not None else []
                 checker = None
-                if wanted:
-                    checker = LandedBlocks(path, file_reads, sizes[file], digests[file])
+                if check is not None and wanted:
+                    checker = LandedBlocks(path, file_reads, check.size, check.digests)
                     checkers.append(checker)
-                total += _read_file(path, file_reads, wanted, checker, helper, checks)
-            for check in checks:
-                check.result()  # the first mismatch, in file order
+                total += _read_file(path, file_reads, wanted, checker, helper, pending)
+            for future in pending:
+                future.result()  # the first mismatch, in file order
     finally:
         for checker in checkers:
             checker.close()

@@ -45,7 +45,6 @@ __all__ = [
     "FileDigest",
     "bytes_of",
     "digest_of_blocks",
-    "fast_digest",
     "read_header",
     "sha256_of",
     "write_safetensors",
@@ -74,17 +73,6 @@ BLOCK_BYTES = 16 << 20
 
 FAST_DIGEST = "xxh3_64"
 """The block digest a load checks (format 3): XXH3-64, as 16 hex digits."""
-
-
-def fast_digest(data: memoryview | bytes) -> str:
-    """The `FAST_DIGEST` of ``data``.
-
-    Through ``update``, which releases the GIL (xxhash's one-shot functions hold it, so
-    hashing threads would take turns).
-    """
-    digest = xxhash.xxh3_64()
-    digest.update(data)
-    return digest.hexdigest()
 
 
 class FileDigest(NamedTuple):

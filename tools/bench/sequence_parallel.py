@@ -18,8 +18,9 @@ vocabulary 4096, sdpa) with AdamW on one sequence of ``--seq`` tokens per data-p
   CPU/gloo; otherwise the reason is printed.
 
 Per row: the fastest and the median timed step (rank 0's wall time for forward + backward +
-optimizer step), the activation peak per rank (the larger rank's; tensor-byte accounting, see
-`_sp_worker`), the logits peak per rank (LM head + loss alone) and the first step's loss.
+optimizer step), the activation peak per rank (the larger rank's; tensor-byte accounting in one
+extra untimed step, see `_sp_worker`), the logits peak per rank (LM head + loss alone) and
+the first step's loss.
 Targets, each MET or MISSED: activation peak per rank of ``sp2`` <= 0.55x ``sp1``'s; the tiled
 loss cuts the logits peak >= 2x (``sp1`` / ``sp1-tiled`` and ``sp2`` / ``sp2-tiled``). As a
 sanity check the first step's loss of every row must equal ``sp1``'s rank 0 (the same weights

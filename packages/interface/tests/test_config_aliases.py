@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from deepshard.interface import DeepShardConfig
+from deepshard.interface import ConfigError, DeepShardConfig
 
 STAGE3_KEYS = {
     "stage3_prefetch_bucket_size": "prefetch_bucket_size",
@@ -96,3 +96,18 @@ def test_overlap_comm_default_depends_on_stage(stage: int, expected: bool) -> No
         {"zero_optimization": {"stage": stage, "overlap_comm": not expected}}
     )
     assert explicit.zero_optimization.overlap_comm is (not expected)
+
+
+def test_aio_thread_count_is_the_old_intra_op_parallelism() -> None:
+    old = DeepShardConfig.from_dict({"aio": {"thread_count": 4, "queue_depth": 16}})
+    assert old.aio.intra_op_parallelism == 4 and old.aio.queue_depth == 16
+    assert old == DeepShardConfig.from_dict({"aio": {"intra_op_parallelism": 4, "queue_depth": 16}})
+    written = old.to_dict()["aio"]
+    assert written["intra_op_parallelism"] == 4 and "thread_count" not in written
+
+
+def test_aio_thread_count_and_intra_op_parallelism_together_are_refused() -> None:
+    with pytest.raises(
+        ConfigError, match="given twice, as 'intra_op_parallelism' and 'thread_count'"
+    ):
+        DeepShardConfig.from_dict({"aio": {"thread_count": 1, "intra_op_parallelism": 1}})

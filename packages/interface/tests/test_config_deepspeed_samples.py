@@ -204,17 +204,56 @@ def test_config_parses_with_its_values(name: str) -> None:
     assert DeepShardConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_hf_auto_placeholders_are_refused_with_every_path() -> None:
-    with pytest.raises(ConfigError, match="Hugging Face Trainer") as info:
+def test_hf_auto_placeholders_are_refused_where_deepspeed_fails_on_them() -> None:
+    """Top-level numbers and optimizer params: DeepSpeed fails on "auto", so it is refused."""
+    with (
+        pytest.warns(UserWarning, match="'auto'") as warned,
+        pytest.raises(ConfigError, match="Hugging Face Trainer") as info,
+    ):
         DeepShardConfig.from_file(CONFIGS / "hf_trainer_auto.json")
     paths = {path for path, _ in info.value.problems}
     assert {
-        "bf16.enabled",
         "optimizer.params.lr",
         "optimizer.params.betas",
-        "zero_optimization.reduce_bucket_size",
         "gradient_accumulation_steps",
         "gradient_clipping",
         "train_batch_size",
         "train_micro_batch_size_per_gpu",
     } <= paths
+    # Inside DeepSpeed's pydantic sections "auto" is the default: warned, not refused.
+    assert not {"bf16.enabled", "zero_optimization.reduce_bucket_size"} & paths
+    said = " ".join(str(w.message) for w in warned)
+    assert "bf16.enabled (default False)" in said
+    assert "zero_optimization.reduce_bucket_size (default 500000000)" in said
+
+
+def test_auto_inside_deepspeed_pydantic_sections_is_the_default() -> None:
+    """OpenRLHF hands "auto" to deepspeed.initialize directly; DeepSpeed drops it there."""
+    raw = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": "auto",
+            "stage3_max_live_parameters": "auto",
+            "stage3_max_reuse_distance": "auto",
+            "offload_optimizer": {"device": "cpu", "pin_memory": "auto"},
+        },
+        "tensorboard": {"enabled": False, "output_path": "auto"},
+    }
+    with pytest.warns(UserWarning, match="stage3_max_live_parameters") as warned:
+        cfg = DeepShardConfig.from_dict(raw)
+    plain = DeepShardConfig.from_dict(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            "tensorboard": {"enabled": False},
+        }
+    )
+    assert cfg.zero_optimization == plain.zero_optimization
+    assert cfg.tensorboard == plain.tensorboard
+    said = " ".join(str(w.message) for w in warned)
+    for key in ("sub_group_size", "stage3_max_reuse_distance", "offload_optimizer.pin_memory"):
+        assert f"zero_optimization.{key}" in said
+    assert raw["zero_optimization"]["sub_group_size"] == "auto"  # the caller's dict untouched

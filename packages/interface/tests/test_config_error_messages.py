@@ -178,11 +178,6 @@ def test_one_setting_under_two_spellings_is_refused() -> None:
             "stage 1 or 2",
         ),
         (
-            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-            "zero_optimization.offload_param",
-            "needs stage 3",
-        ),
-        (
             {
                 "zero_optimization": {
                     "stage": 2,
@@ -260,3 +255,47 @@ def test_config_error_survives_pickling() -> None:
 def test_non_dict_config_is_refused() -> None:
     with pytest.raises(ConfigError, match="must be a dict"):
         DeepShardConfig.from_dict([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_param_offload_below_stage3_is_ignored_as_deepspeed_ignores_it(stage: int) -> None:
+    """DeepSpeed-Chat writes offload_param at stage 2; DeepSpeed reads it at stage 3 only."""
+    raw = {"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}}}
+    with pytest.warns(UserWarning, match=f"offload_param has no effect at stage {stage}"):
+        config = DeepShardConfig.from_dict(raw)
+    assert config.zero_optimization.offload_param is None
+    assert raw["zero_optimization"]["offload_param"] == {"device": "cpu"}  # caller's dict kept
+    with pytest.raises(ConfigError, match=r"offload_param\.device"):  # still validated first
+        DeepShardConfig.from_dict(
+            {"zero_optimization": {"stage": 2, "offload_param": {"device": "gpu"}}}
+        )
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "fragment"),
+    [
+        (
+            {"optimizer": {"type": "AdamW", "adam_w_mode": True, "params": {"lr": 1e-3}}},
+            "optimizer.adam_w_mode",
+            'optimizer arguments go inside optimizer.params ("params": {"adam_w_mode": ...})',
+        ),
+        (
+            {
+                "curriculum_learning": {
+                    "enabled": True,
+                    "curriculum_type": "seqlen",
+                    "min_difficulty": 8,
+                    "max_difficulty": 64,
+                    "schedule_type": "fixed_linear",
+                    "schedule_config": {"total_step": 100, "difficulty_step": 8},
+                }
+            },
+            "curriculum_learning.schedule_config.total_step",
+            "did you mean 'total_curriculum_step'?",
+        ),
+    ],
+)
+def test_misplaced_keys_say_where_they_belong(
+    raw: dict[str, Any], path: str, fragment: str
+) -> None:
+    assert fragment in _problems(raw)[path]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -54,6 +55,14 @@ class ConfigModel(BaseModel):
     config_key: ClassVar[str] = ""
     """Where the section sits in a DeepSpeed config (``"zero_optimization.offload_param"``)."""
 
+    drops_auto: ClassVar[bool] = False
+    """Whether a value of ``"auto"`` means "the default" here, with a warning naming the key.
+
+    True for the sections DeepSpeed 0.19.7 parses with its pydantic base, which drops every
+    ``"auto"`` value before validation (so e.g. ``stage3_max_live_parameters: "auto"`` written
+    by OpenRLHF gets the default there); elsewhere (top-level numbers, optimizer params)
+    DeepSpeed fails on ``"auto"`` and DeepShard refuses it with the Hugging Face message."""
+
     def __init__(self, /, **data: Any) -> None:
         try:
             super().__init__(**data)
@@ -73,6 +82,8 @@ class ConfigModel(BaseModel):
         """Refuses a setting given under two spellings, and booleans where a number belongs."""
         if not isinstance(data, dict):
             return data
+        if cls.drops_auto:
+            data = _drop_auto(cls, data)
         problems: list[tuple[str, str]] = []
         for name, info in cls.model_fields.items():
             present = [key for key in accepted_keys(name, info) if key in data]
@@ -85,3 +96,28 @@ class ConfigModel(BaseModel):
         if problems:
             raise raw_problems_error(problems)
         return data
+
+
+def _drop_auto(cls: type[ConfigModel], data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without its ``"auto"`` values, each reported in one warning with its default."""
+    auto = [key for key, value in data.items() if isinstance(value, str) and value == "auto"]
+    if not auto:
+        return data
+    defaults = {
+        key: info.default
+        for name, info in cls.model_fields.items()
+        for key in accepted_keys(name, info)
+    }
+    where = f"{cls.config_key}." if cls.config_key else ""
+    named = ", ".join(
+        f"{where}{key} (default {defaults[key]!r})" if key in defaults else f"{where}{key}"
+        for key in auto
+    )
+    warnings.warn(
+        f"'auto' is a Hugging Face Trainer placeholder the Trainer fills in; given to the engine "
+        f"directly it means the default here, as DeepSpeed reads it: {named}. Write the values "
+        "to choose them",
+        UserWarning,
+        stacklevel=2,
+    )
+    return {key: value for key, value in data.items() if key not in auto}

@@ -7,7 +7,8 @@ warning and rewrites the first two into the sections that replaced them: true be
 ``offload_optimizer`` / ``offload_param`` with ``{"device": "cpu"}``, false (or null) becomes
 no offload. Giving an old switch together with its replacement section is refused, as DeepSpeed
 refuses it. The rewritten sections then meet every rule a written-out section meets (parameter
-offload needs stage 3; an engine without offload refuses ``offload_optimizer``).
+offload below stage 3 is ignored with a warning; an engine without offload refuses
+``offload_optimizer``).
 
 Deliberate deviation: DeepSpeed warns about ``cpu_offload_use_pin_memory`` and drops it, so its
 rewritten sections pin host memory even where the old config said not to. Here it becomes the

@@ -13,8 +13,11 @@ from types import MappingProxyType
 
 __all__ = [
     "AMP_ENABLED_MESSAGE",
+    "DEEPCOMPILE_MESSAGE",
     "HF_AUTO_MESSAGE",
+    "HYBRID_ENGINE_MESSAGE",
     "KERNEL_INJECT_MESSAGE",
+    "MISPLACED_KEYS",
     "REFUSED_KEYS",
     "REFUSED_OPTIMIZERS",
     "ZERO_BOOLEAN_MESSAGE",
@@ -39,16 +42,11 @@ REFUSED_KEYS: Mapping[str, str] = MappingProxyType(
         "(the flops_profiler and memory_breakdown settings help) and remove this block",
         "pipeline": f"{_NOT_CARRIED} a pipeline-parallel engine (Topology's pp axis is reserved "
         "and always 1); scale with ZeRO-3, tensor_parallel or sequence_parallel_size instead",
-        "hybrid_engine": f"{_NOT_CARRIED} the RLHF hybrid engine; generate rollouts from the "
-        "training engine with deepshard.inference's build_rollout(config, engine, tokenizer) "
-        "and remove this block",
         "progressive_layer_drop": f"{_NOT_CARRIED} progressive layer dropping; implement layer "
         "drop inside the model and remove this block",
         "eigenvalue": f"{_NOT_CARRIED} the Hessian eigenvalue estimator; remove this block",
         "weight_quantization": f"{_NOT_CARRIED} DeepSpeed-Inference weight quantization; "
         "quantize with torchao and remove this block",
-        "compile": f"{_NOT_CARRIED} DeepCompile; call torch.compile on the model before "
-        "deepshard.engine.initialize and remove this block",
         "datastates_ckpt": f"{_NOT_CARRIED} the DataStates checkpoint engine; deepshard.checkpoint "
         "saves sharded safetensors, remove this block",
         "zero_optimization.mics_shard_size": f"{_NOT_CARRIED} MiCS sharding (DeepSpeed removed "
@@ -96,6 +94,18 @@ KERNEL_INJECT_MESSAGE = (
 )
 """Why ``tensor_parallel.replace_with_kernel_inject: true`` is refused."""
 
+HYBRID_ENGINE_MESSAGE = (
+    f"{_NOT_CARRIED} the RLHF hybrid engine; generate rollouts from the training engine with "
+    "deepshard.inference's build_rollout(config, engine, tokenizer) and set enabled to false"
+)
+"""Why ``hybrid_engine.enabled: true`` is refused (the section is accepted switched off)."""
+
+DEEPCOMPILE_MESSAGE = (
+    f"{_NOT_CARRIED} DeepCompile; call torch.compile on the model before "
+    "deepshard.engine.initialize and set deepcompile to false"
+)
+"""Why ``compile.deepcompile: true`` is refused (the section is accepted switched off)."""
+
 HF_AUTO_MESSAGE = (
     "'auto' is a Hugging Face Trainer placeholder: the HF Trainer replaces it with a number "
     "before DeepSpeed sees the config, and DeepSpeed itself refuses it too. Write the value, or "
@@ -104,8 +114,28 @@ HF_AUTO_MESSAGE = (
 """Why a literal ``"auto"`` value is refused."""
 
 
+_OPTIMIZER_PARAMS = frozenset(
+    {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "amsgrad",
+     "torch_adam", "fused", "momentum", "nesterov"}
+)  # fmt: skip
+"""Optimizer arguments that configs sometimes write beside ``optimizer.type``."""
+
+MISPLACED_KEYS: Mapping[str, str] = MappingProxyType(
+    {
+        "curriculum_learning.schedule_config.total_step": "did you mean "
+        "'total_curriculum_step'? (the steps the schedule takes to reach max_difficulty)",
+    }
+)
+"""Unknown keys whose right spelling or place is known, by key path, with the hint."""
+
+
 def refused_key_message(path: str) -> str | None:
     """Returns why DeepShard refuses the DeepSpeed key at ``path``, or ``None`` if it does not.
+
+    Covers the keys refused on purpose (`REFUSED_KEYS`) and unknown keys whose right place is
+    known: `MISPLACED_KEYS`, and optimizer arguments written beside ``optimizer.type`` (DeepSpeed
+    reads only ``type``, ``params`` and ``legacy_fusion`` there and drops the rest without a
+    word, so the argument would never reach the optimizer).
 
     Args:
         path: A DeepSpeed key path such as ``"zero_optimization.cpu_offload"``.
@@ -113,7 +143,13 @@ def refused_key_message(path: str) -> str | None:
     Returns:
         The reason and the replacement, or ``None``.
     """
-    return REFUSED_KEYS.get(path)
+    section, _, key = path.partition(".")
+    if section == "optimizer" and key in _OPTIMIZER_PARAMS:
+        return (
+            f"unknown key here; optimizer arguments go inside optimizer.params "
+            f'("params": {{"{key}": ...}}); DeepSpeed drops it here without a word'
+        )
+    return REFUSED_KEYS.get(path) or MISPLACED_KEYS.get(path)
 
 
 def refused_optimizer_message(optimizer_type: str) -> str | None:

@@ -12,6 +12,8 @@ __all__ = ["CommsLoggerConfig"]
 class CommsLoggerConfig(ConfigModel):
     """The `comms_logger` section: what the communication logger records and prints."""
 
+    drops_auto = True
+
     enabled: bool = False
     """Record every collective issued through `deepshard.comm`. When false nothing is timed."""
 

@@ -44,6 +44,7 @@ from deepshard.interface.config.precision import (
 )
 from deepshard.interface.config.profiling import FlopsProfilerConfig, TimersConfig
 from deepshard.interface.config.sequence_parallel import SequenceParallelConfig
+from deepshard.interface.config.switched_off import CompileConfig, HybridEngineConfig
 from deepshard.interface.config.tensor_parallel import TensorParallelConfig
 from deepshard.interface.config.zero import ZeroConfig
 from deepshard.interface.errors import ConfigError
@@ -147,6 +148,41 @@ class DeepShardConfig(TopLevelSettings):
 
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     """Ulysses for Hugging Face models (ALST); the degree is ``sequence_parallel_size``."""
+
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """DeepCompile; accepted only switched off (OpenRLHF writes it so)."""
+
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    """The RLHF hybrid engine; accepted only switched off (DeepSpeed-Chat writes it so)."""
+
+    comms_config: dict[str, Any] | None = None
+    """Not a DeepSpeed key: LLaMA-Factory writes it, DeepSpeed 0.19.7 reads nothing from it,
+    and neither does DeepShard (collectives are logged by ``comms_logger``). Reported when
+    given."""
+
+    monitor_config: dict[str, Any] | None = None
+    """Not a DeepSpeed key: LLaMA-Factory writes it, DeepSpeed 0.19.7 reads nothing from it,
+    and neither does DeepShard (monitors are ``tensorboard``, ``wandb``, ``csv_monitor`` and
+    ``comet``). Reported when given."""
+
+    fp8: dict[str, Any] | None = None
+    """Not a DeepSpeed key: LLaMA-Factory writes it for FP8 training it sets up itself (through
+    Transformer Engine or torchao, outside the engine); DeepSpeed 0.19.7 and DeepShard read
+    nothing from it. Reported when given."""
+
+    cuda_visible_devices: Any = None
+    """Not a DeepSpeed key (some examples carry it): DeepSpeed 0.19.7 and DeepShard read nothing
+    from it; choose devices with ``CUDA_VISIBLE_DEVICES`` or ``ds-launch --include``. Reported
+    when given."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_comments(cls, data: Any) -> Any:
+        """Drops top-level keys starting with ``_``: JSON has no comments, so configs carry
+        them as ``"_comment": "..."`` keys (LLaMA-Factory does), which DeepSpeed ignores."""
+        if isinstance(data, dict) and any(isinstance(k, str) and k[:1] == "_" for k in data):
+            return {k: v for k, v in data.items() if not (isinstance(k, str) and k[:1] == "_")}
+        return data
 
     @field_validator("zero_optimization", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ class InferenceTensorParallelConfig(ConfigModel):
     """`tensor_parallel` of the inference config: how many ranks one model is split across."""
 
     config_key = "tensor_parallel"
+    drops_auto = True
 
     enabled: bool = True
     """Split the model when ``tp_size`` > 1 (DeepSpeed's key; false keeps it whole)."""
@@ -48,6 +49,7 @@ class InferenceConfig(ConfigModel):
     """
 
     config_key = ""
+    drops_auto = True
 
     dtype: DtypeName | None = None
     """Dtype the model is cast to ("fp32", "fp16", "bf16" or a ``torch`` dtype); None keeps it."""

@@ -13,6 +13,7 @@ class TensorBoardConfig(ConfigModel):
     """The `tensorboard` section (needs the ``tensorboard`` package when enabled)."""
 
     config_key = "tensorboard"
+    drops_auto = True
 
     enabled: bool = False
     """Write scalars (loss, learning rate, loss scale, ...) as TensorBoard events."""
@@ -29,6 +30,7 @@ class WandbConfig(ConfigModel):
     """The `wandb` section (needs the ``wandb`` package when enabled)."""
 
     config_key = "wandb"
+    drops_auto = True
 
     enabled: bool = False
     """Log scalars to Weights & Biases."""
@@ -47,6 +49,7 @@ class CsvMonitorConfig(ConfigModel):
     """The `csv_monitor` section: scalars appended to local CSV files."""
 
     config_key = "csv_monitor"
+    drops_auto = True
 
     enabled: bool = False
     """Write one CSV file per logged scalar."""
@@ -63,6 +66,7 @@ class CometConfig(ConfigModel):
     """The `comet` section (needs the ``comet_ml`` package when enabled)."""
 
     config_key = "comet"
+    drops_auto = True
 
     enabled: bool = False
     """Log scalars to a Comet experiment."""

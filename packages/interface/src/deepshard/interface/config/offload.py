@@ -25,6 +25,7 @@ class OffloadOptimizerConfig(ConfigModel):
     """Offload of optimizer state (and the optimizer step) to CPU or NVMe; ZeRO stages 1-3."""
 
     config_key = "zero_optimization.offload_optimizer"
+    drops_auto = True
 
     device: OffloadDevice = "none"
     """Where the optimizer state lives; the step itself runs on the CPU for "cpu" and "nvme"."""
@@ -71,6 +72,7 @@ class OffloadParamConfig(ConfigModel):
     """Offload of partitioned parameters to CPU or NVMe; ZeRO stage 3 only."""
 
     config_key = "zero_optimization.offload_param"
+    drops_auto = True
 
     device: OffloadDevice = "none"
     """Where the parameter partitions live between uses."""

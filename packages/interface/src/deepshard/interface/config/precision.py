@@ -17,6 +17,7 @@ class Fp16Config(ConfigModel):
     """The `fp16` section: float16 mixed precision with static or dynamic loss scaling."""
 
     config_key = "fp16"
+    drops_auto = True
 
     enabled: bool = False
     """Train with float16 weights and activations, fp32 master weights in the optimizer."""
@@ -94,6 +95,7 @@ class Bf16Config(ConfigModel):
     """The `bf16` section (also accepted as `bfloat16`): bfloat16 mixed precision."""
 
     config_key = "bf16"
+    drops_auto = True
 
     enabled: bool = False
     """Train with bfloat16 weights and activations, fp32 master weights in the optimizer."""

@@ -44,6 +44,7 @@ class ThroughputTimerConfig(ConfigModel):
     """The `timers.throughput` section: samples-per-second timing."""
 
     config_key = "timers.throughput"
+    drops_auto = True
 
     enabled: bool = True
     """Measure and report training throughput."""

@@ -17,6 +17,7 @@ class TpSizeConfig(ConfigModel):
     """`tensor_parallel.tp`: DeepSpeed's inference-style tensor-parallel settings."""
 
     config_key = "tensor_parallel.tp"
+    drops_auto = True
 
     tp_size: int = Field(1, ge=1)
     """Ranks a model is split across in inference-style TP (training uses ``autotp_size``)."""
@@ -138,6 +139,7 @@ class TensorParallelConfig(ConfigModel):
     """The `tensor_parallel` section: AutoTP training settings."""
 
     config_key = "tensor_parallel"
+    drops_auto = True
 
     autotp_size: int = Field(0, ge=0)
     """Tensor-parallel degree for AutoTP training; 0 (or 1) disables it. Sets Topology ``tp``."""

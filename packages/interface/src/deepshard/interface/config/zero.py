@@ -5,12 +5,14 @@ are written ``stage3_*`` in JSON; the Python attribute drops the prefix (``prefe
 and both spellings are accepted on input. DeepSpeed's old offload switches (``cpu_offload``,
 ``cpu_offload_param``, ``cpu_offload_use_pin_memory``) are read as DeepSpeed reads them, with a
 ``FutureWarning`` (see ``_legacy_offload.py``); its removed keys are refused with the replacement
-(see ``_removed.py``).
+(see ``_removed.py``). ``offload_param`` below stage 3 is dropped with a warning, as DeepSpeed
+ignores it there.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
@@ -39,10 +41,39 @@ def _stage3(python_name: str, default: Any, **bounds: Any) -> Any:
     )
 
 
+def _without_param_offload_below_stage3(data: dict[str, Any]) -> dict[str, Any]:
+    """Drops an ``offload_param`` that asks for offload below stage 3, with a warning.
+
+    Below stage 3 every rank holds whole parameters, so there is nothing to offload; DeepSpeed
+    0.19.7 hands ``offload_param`` only to its stage-3 engine and ignores it elsewhere without
+    a word. Configs generated for stage 2 carry it (DeepSpeed-Chat's ``--offload``), so it is
+    ignored here too, but said.
+    """
+    stage, section = data.get("stage", 0), data.get("offload_param")
+    if (
+        not isinstance(stage, int)
+        or isinstance(stage, bool)
+        or stage == 3
+        or not isinstance(section, dict)
+        or section.get("device") not in ("cpu", "nvme")
+    ):
+        return data
+    warnings.warn(
+        f"zero_optimization.offload_param has no effect at stage {stage}: parameters are whole "
+        "on every rank below stage 3, so they stay on the device (DeepSpeed ignores it there "
+        "too); use offload_optimizer to move optimizer state to the CPU, or stage 3 to offload "
+        "parameters",
+        UserWarning,
+        stacklevel=2,
+    )
+    return {key: value for key, value in data.items() if key != "offload_param"}
+
+
 class LeafModuleConfig(ConfigModel):
     """Modules ZeRO-3 fetches as one unit (no hooks on their children), e.g. MoE blocks."""
 
     config_key = "zero_optimization.leaf_module"
+    drops_auto = True
 
     classes: list[str] = Field(default_factory=lambda: list(_HF_MOE_BLOCKS))
     """Fully qualified class names; defaults to the Mixtral/Qwen2-MoE/Qwen3-MoE sparse blocks."""
@@ -80,6 +111,7 @@ class ZeroConfig(ConfigModel):
     """The `zero_optimization` section: what ZeRO partitions and how it communicates."""
 
     config_key = "zero_optimization"
+    drops_auto = True
 
     stage: Literal[0, 1, 2, 3] = 0
     """0 off; 1 partitions optimizer state; 2 also gradients; 3 also parameters."""
@@ -217,7 +249,9 @@ class ZeroConfig(ConfigModel):
     @model_validator(mode="before")
     @classmethod
     def _legacy_offload_switches(cls, data: Any) -> Any:
-        return translate_legacy_offload(data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return _without_param_offload_below_stage3(translate_legacy_offload(data))
 
     @model_validator(mode="after")
     def _stage_requirements(self) -> ZeroConfig:

@@ -207,6 +207,21 @@ _IGNORED = (
         None,
     ),
     FeatureStatus("optimizer.legacy_fusion", "ignored", "no effect: DeepSpeed's legacy flag", None),
+    *(
+        FeatureStatus(
+            key, "ignored", f"no effect: not a DeepSpeed key (DeepSpeed ignores it too{why})", None
+        )
+        for key, why in (
+            ("comms_config", ""),
+            ("monitor_config", ""),
+            (
+                "fp8",
+                "; FP8 training is set up outside the engine, e.g. with Transformer Engine or "
+                "torchao",
+            ),
+            ("cuda_visible_devices", "; use CUDA_VISIBLE_DEVICES or ds-launch --include"),
+        )
+    ),
 )
 
 FEATURES: tuple[FeatureStatus, ...] = _PLANNED + _IGNORED

@@ -7,9 +7,9 @@ The peak of that sum is the step's activation peak: everything autograd saved, t
 buffers, the gradients, and tensors autograd Functions keep on their ``ctx`` (which
 ``saved_tensors_hooks`` would miss). Parameters and optimizer state exist before the step and
 are not counted. The peak comes from one extra step after the timed ones, the only step the
-tracker watches: its Python runs after every op, a cost that would otherwise be timed too (it
-doubled some rows' step times). The logits peak is measured the same way around the LM head
-and the loss alone, on this rank's final hidden states.
+tracker watches: its Python runs after every op, a cost that would otherwise be timed too. The
+logits peak is measured the same way around the LM head and the loss alone, on this rank's
+final hidden states.
 """
 
 from __future__ import annotations

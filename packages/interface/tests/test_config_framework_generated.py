@@ -130,3 +130,28 @@ def test_switched_on_or_mistyped_sections_are_refused(
         DeepShardConfig.from_dict(raw)
     problems = dict(info.value.problems)
     assert fragment in problems[path]
+
+
+def test_llamafactory_alst_block_is_accepted_and_reported() -> None:
+    """LLaMA-Factory writes its own `sequence_parallel` block; DeepSpeed ignores all of it."""
+    raw = {
+        "train_micro_batch_size_per_gpu": 1,
+        "sequence_parallel_size": 2,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+        "sequence_parallel": {
+            "enabled": True,
+            "size": 4,
+            "mode": "ulysses",
+            "ulysses": {"degree": 4, "seq_length_is_variable": True},
+            "tiling": {"enabled": True, "chunk_size": 8192},
+            "memory_optimizations": {"enabled": True, "pytorch_profiling": False},
+        },
+    }
+    cfg = _parse(raw)
+    assert cfg.sequence_parallel_size == 2  # the degree DeepSpeed reads, not the block's 4
+    assert not cfg.sequence_parallel.tiled_mlp and not cfg.sequence_parallel.tiled_logits_loss
+    reported = ignored_keys(cfg)
+    for key in ("sequence_parallel.size", "sequence_parallel.tiling.chunk_size"):
+        assert key in reported
+    assert DeepShardConfig.from_dict(cfg.to_dict()) == cfg

@@ -222,6 +222,16 @@ _IGNORED = (
             ("cuda_visible_devices", "; use CUDA_VISIBLE_DEVICES or ds-launch --include"),
         )
     ),
+    *(
+        FeatureStatus(
+            f"sequence_parallel.{key}",
+            "ignored",
+            "no effect: LLaMA-Factory's key (DeepSpeed ignores its block too); the degree is "
+            "sequence_parallel_size, tiling is tiled_mlp / tiled_logits_loss",
+            None,
+        )
+        for key in ("enabled", "size", "mode", "ulysses", "tiling", "memory_optimizations")
+    ),
 )
 
 FEATURES: tuple[FeatureStatus, ...] = _PLANNED + _IGNORED

@@ -5,12 +5,12 @@ from __future__ import annotations
 import warnings
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from deepshard.interface.config._keys import accepted_keys, unwrap_optional
 
-__all__ = ["RAW_PROBLEMS_ERROR", "ConfigModel", "raw_problems_error"]
+__all__ = ["RAW_PROBLEMS_ERROR", "ConfigModel", "must_stay_false", "raw_problems_error"]
 
 RAW_PROBLEMS_ERROR = "deepshard_config"
 """The pydantic error type that carries DeepShard's own problems as ``(key path, message)``."""
@@ -34,6 +34,18 @@ def raw_problems_error(problems: list[tuple[str, str]]) -> PydanticCustomError:
 def _is_number(annotation: Any) -> bool:
     members = unwrap_optional(annotation)
     return bool(members) and all(member in (int, float) for member in members)
+
+
+def must_stay_false(field: str, message: str) -> Any:
+    """A field validator refusing ``true`` for ``field`` with ``message`` (a feature DeepShard
+    does not carry, accepted only switched off). Assign it in the class body."""
+
+    def refuse(cls: type[BaseModel], value: bool) -> bool:
+        if value:
+            raise raw_problems_error([("", message)])
+        return value
+
+    return field_validator(field)(classmethod(refuse))
 
 
 class ConfigModel(BaseModel):

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from deepshard.interface.config._base import ConfigModel, raw_problems_error
+from deepshard.interface.config._base import ConfigModel, must_stay_false, raw_problems_error
 from deepshard.interface.config._dtypes import DtypeName, normalize_dtype
 from deepshard.interface.config._removed import KERNEL_INJECT_MESSAGE
 
@@ -123,12 +123,7 @@ class InferenceConfig(ConfigModel):
             value = str(value)
         return normalize_dtype(value)
 
-    @field_validator("replace_with_kernel_inject")
-    @classmethod
-    def _refuse_injection(cls, value: bool) -> bool:
-        if value:
-            raise raw_problems_error([("", KERNEL_INJECT_MESSAGE)])
-        return value
+    _refuse_injection = must_stay_false("replace_with_kernel_inject", KERNEL_INJECT_MESSAGE)
 
     @model_validator(mode="after")
     def _check_token_bounds(self) -> InferenceConfig:

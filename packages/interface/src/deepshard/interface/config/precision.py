@@ -6,7 +6,7 @@ import math
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from deepshard.interface.config._base import ConfigModel, raw_problems_error
+from deepshard.interface.config._base import ConfigModel, must_stay_false, raw_problems_error
 from deepshard.interface.config._dtypes import DtypeName, normalize_dtype
 from deepshard.interface.config._removed import AMP_ENABLED_MESSAGE
 
@@ -174,9 +174,4 @@ class AmpConfig(ConfigModel):
     opt_level: str | None = None
     """apex optimisation level (``"O1"``...), accepted so that old configs parse; unused."""
 
-    @field_validator("enabled")
-    @classmethod
-    def _refuse_apex(cls, value: bool) -> bool:
-        if value:
-            raise raw_problems_error([("", AMP_ENABLED_MESSAGE)])
-        return value
+    _refuse_apex = must_stay_false("enabled", AMP_ENABLED_MESSAGE)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from deepshard.interface.config._base import ConfigModel, raw_problems_error
+from deepshard.interface.config._base import ConfigModel, must_stay_false
 from deepshard.interface.config._removed import DEEPCOMPILE_MESSAGE, HYBRID_ENGINE_MESSAGE
 
 __all__ = ["CompileConfig", "HybridEngineConfig"]
@@ -79,12 +79,7 @@ class CompileConfig(ConfigModel):
     passes: list[Literal["z1", "z3", "autosp", "autotp"]] | None = None
     """DeepCompile: the optimisation passes to compose. Unused."""
 
-    @field_validator("deepcompile")
-    @classmethod
-    def _refuse_deepcompile(cls, value: bool) -> bool:
-        if value:
-            raise raw_problems_error([("", DEEPCOMPILE_MESSAGE)])
-        return value
+    _refuse_deepcompile = must_stay_false("deepcompile", DEEPCOMPILE_MESSAGE)
 
 
 class HybridEngineConfig(ConfigModel):
@@ -116,9 +111,4 @@ class HybridEngineConfig(ConfigModel):
     enable_cuda_graph: bool = False
     """Hybrid engine: CUDA-graph the generation step. Unused."""
 
-    @field_validator("enabled")
-    @classmethod
-    def _refuse_hybrid_engine(cls, value: bool) -> bool:
-        if value:
-            raise raw_problems_error([("", HYBRID_ENGINE_MESSAGE)])
-        return value
+    _refuse_hybrid_engine = must_stay_false("enabled", HYBRID_ENGINE_MESSAGE)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from deepshard.interface.config._base import ConfigModel, raw_problems_error
+from deepshard.interface.config._base import ConfigModel, must_stay_false, raw_problems_error
 from deepshard.interface.config._dtypes import DtypeName, normalize_dtype
 from deepshard.interface.config._removed import KERNEL_INJECT_MESSAGE
 
@@ -170,12 +170,7 @@ class TensorParallelConfig(ConfigModel):
     def _canonical(cls, value: object) -> object:
         return normalize_dtype(value)
 
-    @field_validator("replace_with_kernel_inject")
-    @classmethod
-    def _refuse_injection(cls, value: bool) -> bool:
-        if value:
-            raise raw_problems_error([("", KERNEL_INJECT_MESSAGE)])
-        return value
+    _refuse_injection = must_stay_false("replace_with_kernel_inject", KERNEL_INJECT_MESSAGE)
 
     @property
     def size(self) -> int:

@@ -5,7 +5,8 @@
 * On a real engine (1 gloo rank), each listed name raises ``AttributeError`` with its reason;
   ``hasattr`` is False for them; a config reader's message names a field that exists on the
   engine's config (the path is followed on the live engine); an unknown name gets Python's usual
-  message, and the module's own parameters and submodules are still reached.
+  message naming the module too, and the module's own parameters, submodules, attributes and
+  methods are reached through the engine (DeepSpeed's engine falls back to its module).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def _lookups(mesh: Any) -> dict[str, Any]:
         "followed": followed,
         "unknown": unknown,
         "module_weight": tuple(engine.module.weight.shape),
+        # the module's own attributes and methods, as DeepSpeed's engine falls back to them
+        "passthrough": (engine.in_features, engine.reset_parameters == engine.module.reset_parameters),
     }
 
 
@@ -77,5 +80,9 @@ def test_a_refused_name_says_what_to_use_instead() -> None:
     assert "zero_optimization.reduce_bucket_size" in messages["zero_reduce_bucket_size"][0]
     assert set(got["followed"]) == set(CONFIG_READERS)
     assert got["followed"]["optimizer_name"] == repr("AdamW")
-    assert got["unknown"] == "'DeepShardEngine' object has no attribute 'no_such_method'"
+    assert got["unknown"] == (
+        "'DeepShardEngine' object has no attribute 'no_such_method', and neither has its "
+        "module (Linear)"
+    )
+    assert got["passthrough"] == (2, True)
     assert got["module_weight"] == (2, 2)

@@ -178,13 +178,28 @@ class DeepShardEngine(
         self._declare_boundary()
 
     def __getattr__(self, name: str) -> Any:
+        """Engine attributes, then a named refusal for a DeepSpeed name left out, then the
+        module's own attributes (``engine.generate``, ``engine.config``,
+        ``engine.gradient_checkpointing_enable()``), as DeepSpeed's engine falls back to its
+        module."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             message = refused_attribute_message(type(self).__name__, name)
-            if message is None:
+            if message is not None:
+                raise AttributeError(message, name=name, obj=self) from None
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
                 raise
-            raise AttributeError(message, name=name, obj=self) from None
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(
+                    f"{type(self).__name__!r} object has no attribute {name!r}, and neither "
+                    f"has its module ({type(module).__name__})",
+                    name=name,
+                    obj=self,
+                ) from None
 
     # --- the training loop ----------------------------------------------------------------
 

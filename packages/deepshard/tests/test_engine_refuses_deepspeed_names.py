@@ -59,7 +59,10 @@ def _lookups(mesh: Any) -> dict[str, Any]:
         "unknown": unknown,
         "module_weight": tuple(engine.module.weight.shape),
         # the module's own attributes and methods, as DeepSpeed's engine falls back to them
-        "passthrough": (engine.in_features, engine.reset_parameters == engine.module.reset_parameters),
+        "passthrough": (
+            engine.in_features,
+            engine.reset_parameters == engine.module.reset_parameters,
+        ),
     }
 
 

@@ -4,16 +4,18 @@
 engine trains the model with ZeRO stage 0, 1 or 2 in fp32, bf16 or fp16 (``engine(batch)``,
 ``engine.backward(loss)``, ``engine.step()``). A DeepSpeed script runs with its import line
 changed to ``import deepshard.engine as deepspeed``: `add_config_arguments` adds its
-``--deepspeed_config`` flag, ``initialize(args=..., model=..., ...)`` takes DeepSpeed's keywords
-and `RepeatingLoader` is DeepSpeed's endless loader. The module also gathers the foundation a
-training script starts from: the typed config, the topology, distributed start-up, the mesh
-and the accelerator.
+``--deepspeed_config`` flag, ``initialize(args=..., model=..., ...)`` takes DeepSpeed's keywords,
+`RepeatingLoader` is DeepSpeed's endless loader and ``zero`` is `deepshard.zero`
+(``deepspeed.zero.Init`` / ``GatheredParameters`` keep working). The module also gathers the
+foundation a training script starts from: the typed config, the topology, distributed
+start-up, the mesh and the accelerator.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import version as _dist_version
 
+import deepshard.zero as zero
 from deepshard.accelerators import get_accelerator
 from deepshard.comm import ParallelDims, build_mesh, init_distributed
 from deepshard.engine._arguments import add_config_arguments
@@ -68,4 +70,5 @@ __all__ = [
     "init_distributed",
     "init_inference",
     "initialize",
+    "zero",
 ]

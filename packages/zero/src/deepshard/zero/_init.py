@@ -99,11 +99,14 @@ class Init:
         module: An existing model to partition now (the result is in `sharded`).
         policy: Instead of the config's, the units and knobs (``unit_classes`` ...).
         comms_logger: Records every collective of the sharded models.
+        config_dict_or_path: DeepSpeed's keyword for ``config`` (``zero.Init(
+            config_dict_or_path=ds_config)``, as the HF integration writes it).
 
     Raises:
         ConfigError: As `deepshard.zero._init_settings.resolve_init_settings`: a bad
             ``remote_device`` (``"nvme"`` without an NVMe ``offload_param``), a config not at
-            stage 3, no mesh and no world; an ``nvme_path`` that is not a writable directory.
+            stage 3, no mesh and no world; an ``nvme_path`` that is not a writable directory;
+            both ``config`` and ``config_dict_or_path``.
     """
 
     def __init__(
@@ -117,7 +120,15 @@ class Init:
         *,
         policy: ZeroPolicy | None = None,
         comms_logger: CommsLogger | None = None,
+        config_dict_or_path: DeepShardConfig | dict[str, Any] | str | Path | None = None,
     ) -> None:
+        if config_dict_or_path is not None:
+            if config is not None:
+                raise ConfigError(
+                    "Init: config and config_dict_or_path (DeepSpeed's name for it) are both "
+                    "given; pass one"
+                )
+            config = config_dict_or_path
         self.enabled = enabled
         self.sharded: list[ShardedModule] = []
         """The sharded models this block built, in order."""

@@ -4,7 +4,9 @@ On 2 gloo ranks, for ZeRO stages 0-3 (stage 3 gathers the partitions) with a bf1
 after two optimizer steps:
 
 * each rank passes its own directory, and only rank 0's gets a file: DeepSpeed's default name
-  ``pytorch_model.bin`` becomes ``model.safetensors``; every rank gets that path back;
+  ``pytorch_model.bin`` becomes ``model.safetensors``; every rank gets that path back; at
+  stages 0-2 rank 0 may also call it alone (the other rank goes on to a collective, which
+  completes: nothing inside the save waits for it), and no temporary file is left;
 * the file holds exactly the module's state dict on every rank (bf16, bit for bit), with the
   ``format: pt`` metadata Hugging Face's loaders check; a tied parameter is stored under both
   names and the file loads into a fresh model with ``load_state_dict(strict=True)``;
@@ -67,8 +69,18 @@ def _save(mesh: Any, stage: int, root: str) -> dict[str, Any]:
         engine.save_16bit_model(mine, "model.json")
     except ds.ConfigError as error:
         refused = str(error)
+    if stage < 3 and rank == 0:  # DeepSpeed scripts' `if rank == 0: save_16bit_model(...)`
+        engine.save_16bit_model(mine / "solo")
+    total = torch.tensor([float(rank + 1)])
+    torch.distributed.all_reduce(total)  # rank 0 is not left waiting inside the save
     state = engine.module_state_dict()  # whole tensors (gathered at stage 3)
-    return {"written": str(written), "renamed": str(renamed), "refused": refused, "state": state}
+    return {
+        "written": str(written),
+        "renamed": str(renamed),
+        "refused": refused,
+        "state": state,
+        "total": total.item(),
+    }
 
 
 def _save_each_stage(mesh: Any, root: str) -> list[dict[str, Any]]:
@@ -89,10 +101,17 @@ def test_rank_0_writes_the_module_state_as_safetensors(
     root, runs = saved_runs
     results = [by_rank[STAGES.index(stage)] for by_rank in runs]
     base = root / f"stage{stage}"
+    solo = ["rank0/solo/model.safetensors"] if stage < 3 else []
     assert sorted(p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file()) == [
         "rank0/model.safetensors",
+        *solo,
         "rank0/sub/weights.safetensors",
     ]
+    assert [r["total"] for r in results] == [3.0, 3.0]
+    if solo:
+        assert (
+            load_file(base / solo[0]).keys() == load_file(base / "rank0/model.safetensors").keys()
+        )
     saved = load_file(base / "rank0" / "model.safetensors")
     with safe_open(base / "rank0" / "model.safetensors", framework="pt") as handle:
         assert handle.metadata() == {"format": "pt"}

@@ -41,7 +41,8 @@ class EngineWeights:
         save_filename: str = "pytorch_model.bin",
         exclude_frozen_parameters: bool = False,
     ) -> Path:
-        """Write the model's weights to one safetensors file; every rank must call it.
+        """Write the model's weights to one safetensors file (at stage 3 every rank must call
+        it; at stages 0-2 rank 0 alone may, as with DeepSpeed).
 
         Rank 0 writes the module's state dict in its training dtype (16-bit under bf16/fp16);
         DeepShard never pickles, so DeepSpeed's default name ``pytorch_model.bin`` becomes

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path, PurePath
 
 import torch
@@ -106,20 +107,27 @@ def save_16bit_model(
     exclude_frozen_parameters: bool = False,
     sharded: ShardedModule | None = None,
 ) -> Path:
-    """Writes the module's weights as safetensors from rank 0; every rank must call it.
+    """Writes the module's weights as safetensors from rank 0.
+
+    At ZeRO stage 3 every rank must call it (they gather the partitions together, then wait
+    for the file). At stages 0-2 rank 0 holds the whole module and nothing is exchanged, so a
+    script may call it on rank 0 only (``if rank == 0: engine.save_16bit_model(d)``, as with
+    DeepSpeed); the file is written under a temporary name and renamed, so another rank never
+    sees it half written.
 
     Args:
         module: The trained module (whole on every rank at ZeRO stages 0-2).
         save_dir: The directory; created when missing.
         save_filename: The requested file name (see `safetensors_filename` for the rule).
-        world: Every rank as one group (`ParallelDims.world`): its rank 0 writes, and all of
-            it waits for the file.
+        world: Every rank as one group (`ParallelDims.world`): its rank 0 writes; at stage 3
+            all of it waits for the file.
         exclude_frozen_parameters: Leave out parameters with ``requires_grad=False``.
         sharded: At ZeRO stage 3, the model side: every rank gathers the parameters while
             rank 0 writes them.
 
     Returns:
-        The path of the written file (on every rank).
+        The path of the file (rank 0 has written it; at stage 3 it exists when any rank
+        returns).
 
     Raises:
         ConfigError: The file name is refused (on every rank, before any communication).
@@ -132,6 +140,9 @@ def save_16bit_model(
                 _log.warning("save_16bit_model: writing %s (safetensors, not a pickle)", path)
             path.parent.mkdir(parents=True, exist_ok=True)
             state = _state(module, exclude_frozen_parameters)
-            save_file(_cpu_copies(state), str(path), metadata=_METADATA)
-    barrier(group=world)
+            partial = path.with_name(f".{path.name}.partial")
+            save_file(_cpu_copies(state), str(partial), metadata=_METADATA)
+            os.replace(partial, path)
+    if sharded is not None:
+        barrier(group=world)
     return path

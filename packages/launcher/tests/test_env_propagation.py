@@ -9,7 +9,7 @@ import pytest
 
 from deepshard.interface.errors import LaunchError
 from deepshard.launcher import EXPORT_PREFIXES, exported_variables, parse_env_file
-from deepshard.launcher._env import read_env_files, shell_assignments
+from deepshard.launcher._env import env_file_names, read_env_files, shell_assignments
 
 
 def test_exported_variables_follow_the_prefixes() -> None:
@@ -48,11 +48,17 @@ def test_exported_variables_follow_the_prefixes() -> None:
 
 
 def test_env_file_lines(tmp_path: Path) -> None:
-    text = "# comment\n\nNCCL_SOCKET_IFNAME=eth0\nA = b=c \nQUOTED='kept as is'\nEMPTY=\n"
+    text = (
+        "# comment\n\nNCCL_SOCKET_IFNAME=eth0\nA = b=c \nQUOTED='two words'\n"
+        'DOUBLE="sky-run"\nINSIDE=x=y \'z\'\nODD="open\nEMPTY=\n'
+    )
     assert parse_env_file(text, "f") == {
         "NCCL_SOCKET_IFNAME": "eth0",
-        "A": " b=c ",
-        "QUOTED": "'kept as is'",
+        "A": "b=c",  # blanks around the value dropped
+        "QUOTED": "two words",  # one pair of quotes around the whole value dropped
+        "DOUBLE": "sky-run",
+        "INSIDE": "x=y 'z'",  # quotes inside kept
+        "ODD": '"open',  # an unmatched quote kept
         "EMPTY": "",
     }
     for bad, line in (("NO_EQUALS\n", 1), ("ok=1\n1BAD=2\n", 2), ("A B=1\n", 1)):
@@ -68,6 +74,26 @@ def test_launch_directory_file_wins_over_home(tmp_path: Path) -> None:
     (cwd / ".deepshard_env").write_text("B=cwd\n")
     assert read_env_files([str(home), str(cwd)]) == {"A": "home", "B": "cwd"}
     assert read_env_files([str(tmp_path / "none")]) == {}
+
+
+def test_deepspeed_env_files_are_read_before_ours(tmp_path: Path) -> None:
+    """DeepSpeed's ``.deepspeed_env`` (or ``$DS_ENV_FILE``) is read; ``.deepshard_env`` wins."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    (home / ".deepspeed_env").write_text("A=ds-home\nB=ds-home\nC=ds-home\n")
+    (cwd / ".deepspeed_env").write_text('B="ds-cwd"\n')
+    (cwd / ".deepshard_env").write_text("C=ours\n")
+    (cwd / "custom.env").write_text("D=custom\n")
+    names = env_file_names({})
+    assert names == (".deepspeed_env", ".deepshard_env")
+    assert read_env_files([str(home), str(cwd)], names) == {
+        "A": "ds-home",
+        "B": "ds-cwd",
+        "C": "ours",
+    }
+    custom = env_file_names({"DS_ENV_FILE": "custom.env"})
+    assert read_env_files([str(home), str(cwd)], custom) == {"C": "ours", "D": "custom"}
 
 
 def test_assignments_survive_a_shell_verbatim(tmp_path: Path) -> None:

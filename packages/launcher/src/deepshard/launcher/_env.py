@@ -9,9 +9,11 @@ login environment plus:
 - ``VIRTUAL_ENV``, and the directory of the launcher's Python put in front of the node's own
   ``PATH``, so that tools installed in the job's environment are found (the node runs the same
   Python executable path, so the environment must exist at that path on every node);
-- the ``KEY=VALUE`` lines of ``.deepshard_env`` files, read from the home directory, then the
-  launch directory (which wins), like DeepSpeed's ``.deepspeed_env``. They apply to local ranks
-  as well, so a job behaves the same on one node and on many.
+- the ``KEY=VALUE`` lines of the environment files, read from the home directory, then the
+  launch directory (which wins): DeepSpeed's ``.deepspeed_env`` (or the name in
+  ``DS_ENV_FILE``, as DeepSpeed reads it), then ``.deepshard_env`` (which wins over it in the
+  same directory). They apply to local ranks as well, so a job behaves the same on one node
+  and on many.
 
 Every value is written with `shlex.quote`, so spaces, quotes and ``;`` arrive verbatim and
 nothing in a value is ever run by the remote shell.
@@ -27,8 +29,10 @@ from collections.abc import Mapping
 from deepshard.interface.errors import LaunchError
 
 __all__ = [
+    "DEEPSPEED_ENV_FILE",
     "ENV_FILE_NAME",
     "EXPORT_PREFIXES",
+    "env_file_names",
     "exported_variables",
     "parse_env_file",
     "read_env_files",
@@ -39,6 +43,8 @@ EXPORT_PREFIXES = ("NCCL", "PYTHON", "UCX", "MLFLOW", "HF_", "TORCH", "DEEPSHARD
 """Variables whose names start with one of these are sent to remote nodes."""
 ENV_FILE_NAME = ".deepshard_env"
 """Name of the extra-variables file looked up in the home and launch directories."""
+DEEPSPEED_ENV_FILE = ".deepspeed_env"
+"""DeepSpeed's name for it, read too (before ours); ``DS_ENV_FILE`` replaces it, as there."""
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -58,8 +64,9 @@ def exported_variables(environ: Mapping[str, str]) -> dict[str, str]:
 def parse_env_file(text: str, source: str) -> dict[str, str]:
     """Parse ``KEY=VALUE`` lines; ``#`` lines and blank lines are skipped.
 
-    The value is everything after the first ``=``, kept verbatim (quotes included) except for
-    the line break.
+    The value is everything after the first ``=`` with the surrounding blanks removed, and one
+    pair of matching quotes around the whole of it (``A="two words"``, as dotenv files and
+    DeepSpeed's shell export read it) removed too; quotes inside it are kept.
 
     Raises:
         LaunchError: A line has no ``=`` or its key is not a variable name (file and line named).
@@ -74,26 +81,37 @@ def parse_env_file(text: str, source: str) -> dict[str, str]:
             raise LaunchError(
                 f"{source}:{number}: {line!r} is not KEY=VALUE with a variable name as KEY"
             )
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
         variables[key] = value
     return variables
 
 
-def read_env_files(directories: list[str]) -> dict[str, str]:
-    """Merge the ``.deepshard_env`` files found in ``directories`` (later ones win).
+def env_file_names(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The environment files read in each directory, in order (a later one wins)."""
+    return (environ.get("DS_ENV_FILE") or DEEPSPEED_ENV_FILE, ENV_FILE_NAME)
+
+
+def read_env_files(
+    directories: list[str], names: tuple[str, ...] = (ENV_FILE_NAME,)
+) -> dict[str, str]:
+    """Merge the environment files ``names`` found in ``directories`` (later ones win).
 
     Raises:
         LaunchError: A file exists but cannot be read or is malformed.
     """
     merged: dict[str, str] = {}
     for directory in directories:
-        path = os.path.join(directory, ENV_FILE_NAME)
-        if not os.path.isfile(path):
-            continue
-        try:
-            with open(path, encoding="utf-8") as handle:
-                merged.update(parse_env_file(handle.read(), path))
-        except (OSError, UnicodeDecodeError) as error:
-            raise LaunchError(f"cannot read {path}: {error}") from error
+        for name in names:
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path):
+                continue
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    merged.update(parse_env_file(handle.read(), path))
+            except (OSError, UnicodeDecodeError) as error:
+                raise LaunchError(f"cannot read {path}: {error}") from error
     return merged
 
 

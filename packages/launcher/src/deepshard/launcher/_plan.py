@@ -21,7 +21,7 @@ from deepshard.interface.errors import LaunchError
 from deepshard.launcher._backends import BUILDERS, BackendContext
 from deepshard.launcher._devices import Accelerators, detect_accelerators
 from deepshard.launcher._elastic import ElasticNodes
-from deepshard.launcher._env import read_env_files
+from deepshard.launcher._env import env_file_names, read_env_files
 from deepshard.launcher._hostfile import DEFAULT_HOSTFILE, parse_hostfile
 from deepshard.launcher._ports import (
     DEFAULT_MASTER_PORT,
@@ -254,8 +254,9 @@ def plan_launch(
     Args:
         options: The user's choices.
         environ: The launcher's environment.
-        cwd: The launch directory (remote nodes ``cd`` here; ``.deepshard_env`` is read here).
-        home: The home directory (its ``.deepshard_env`` is read first).
+        cwd: The launch directory (remote nodes ``cd`` here; its ``.deepspeed_env`` and
+            ``.deepshard_env`` are read here).
+        home: The home directory (its environment files are read first).
         python: The Python executable of the ranks (the same path on every node).
         restart_count: How many restarts came before (``DEEPSHARD_RESTART_COUNT``).
 
@@ -283,7 +284,8 @@ def plan_launch(
         addr, port, note = options.master_addr or "", options.master_port or 0, None
     else:
         addr, port, note = _rendezvous(options, layout, backend)
-    extra = {**read_env_files([home, cwd]), RESTART_COUNT_ENV: str(restart_count)}
+    files = read_env_files([home, cwd], env_file_names(environ))
+    extra = {**files, RESTART_COUNT_ENV: str(restart_count)}
     context = BackendContext(options, layout, accelerators, environ, extra, cwd, python, addr, port)
     specs, policy = BUILDERS[backend](context, pool)
     rendezvous = f"{addr}:{port}" if backend != "slurm" else _slurm_rendezvous(options)

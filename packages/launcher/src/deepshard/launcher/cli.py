@@ -28,10 +28,11 @@ examples:
   ds-launch -H hostfile --launcher slurm --dry_run train.py
 
 environment: remote nodes receive the variables starting with NCCL, PYTHON, UCX, MLFLOW, HF_,
-TORCH, DEEPSHARD and OMP_, VIRTUAL_ENV, and the KEY=VALUE lines of ~/.deepshard_env and
-./.deepshard_env. Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, LOCAL_SIZE,
-CROSS_RANK, CROSS_SIZE, MASTER_ADDR, MASTER_PORT, DEEPSHARD_RESTART_COUNT and, on GPU nodes,
-CUDA_VISIBLE_DEVICES narrowed to its node's slots.
+TORCH, DEEPSHARD and OMP_, VIRTUAL_ENV, and the KEY=VALUE lines of .deepspeed_env (or
+$DS_ENV_FILE) and .deepshard_env in ~ and then . (later files win). Each rank gets RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, MASTER_ADDR,
+MASTER_PORT, DEEPSHARD_RESTART_COUNT and, on GPU nodes, CUDA_VISIBLE_DEVICES narrowed to its
+node's slots.
 
 hangs: DEEPSHARD_TIMEOUT (minutes, default 10) is the process-group timeout.
 DEEPSHARD_WATCHDOG_S (seconds, default 120, 0 = off; config key comms_watchdog_s) bounds one
@@ -80,7 +81,8 @@ def _add_backend(parser: argparse.ArgumentParser) -> None:
     add(
         "--launcher",
         type=str.lower,
-        choices=("ssh", "pdsh", "slurm", "openmpi", "torchrun"),
+        choices=("ssh", "pdsh", "slurm", "openmpi", "torchrun", *_MPI_LAUNCHERS),
+        metavar="{ssh,pdsh,slurm,openmpi,torchrun}",
         help="how other nodes are reached (default: ssh when the hostfile names other hosts)",
     )
     add("--launcher_args", default="", help="extra ssh/pdsh/srun/mpirun/torchrun arguments")
@@ -93,6 +95,17 @@ def _add_backend(parser: argparse.ArgumentParser) -> None:
     add("--max_elastic_nodes", type=int, help="elastic: most nodes (default: the hostfile's)")
     add("--ssh_port", type=int, help="ssh port of the remote nodes")
     add("--venv_script", help="script sourced on remote nodes before starting")
+    add(
+        "--no_ssh_check",
+        action="store_true",
+        help="DeepSpeed's flag, accepted: ds-launch never probes ssh before starting",
+    )
+    add(
+        "--force_multi",
+        action="store_true",
+        help="DeepSpeed's flag, accepted: a remote host is always reached through the launcher, "
+        "even when it is the only one",
+    )
 
 
 def _add_rank_options(parser: argparse.ArgumentParser) -> None:
@@ -110,13 +123,44 @@ def _add_rank_options(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="restart the whole job up to K times after a failure",
     )
-    add("--log_dir", "--log-dir", help="write each rank's output to DIR/rank_<RANK>.log")
+    add(
+        "--log_dir",
+        "--log-dir",
+        "--enable_each_rank_log",
+        help="write each rank's output to DIR/rank_<RANK>.log (--enable_each_rank_log: "
+        "DeepSpeed's name)",
+    )
     add(
         "--traceback",
         action="store_true",
         help="show the traceback of a DeepShard error instead of its message alone (as "
         "DEEPSHARD_TRACEBACK=1 does); without it, an error every rank raises prints once",
     )
+
+
+_MPI_LAUNCHERS = ("mvapich", "mpich", "impi")
+"""DeepSpeed's other MPI launchers, named in the refusal rather than as unknown choices."""
+
+
+def _add_deepspeed_only(parser: argparse.ArgumentParser) -> None:
+    """DeepSpeed launcher flags about the launcher itself, accepted so its commands run."""
+    compat = parser.add_argument_group("accepted for DeepSpeed's command lines")
+    add = compat.add_argument
+    add(
+        "--log_level",
+        type=str.lower,
+        choices=("debug", "info", "warning", "error", "critical"),
+        help="DeepSpeed's launcher log level, accepted; ds-launch prints only its plan, "
+        "restarts and errors",
+    )
+    add("-q", "--quiet", action="store_true", help="DeepSpeed's flag, accepted (as --log_level)")
+    add(
+        "--save_pid",
+        action="store_true",
+        help="DeepSpeed's flag: write this launcher's process id to /tmp/<pid>.deepshard "
+        "(removed at exit)",
+    )
+    add("--autotuning", help="refused: ds-launch has no autotuner")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print each node's ranks, slots and commands, and start nothing",
     )
+    _add_deepspeed_only(parser)
     parser.add_argument("user_script", help="the training script (or module with -m)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
@@ -181,6 +226,18 @@ def _check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error("--min_elastic_nodes/--max_elastic_nodes need --elastic_training")
     if args.node_rank is not None and not args.no_ssh:
         parser.error("--node_rank is only used with --no_ssh")
+    if args.autotuning is not None:
+        parser.error(
+            "--autotuning: DeepShard does not carry DeepSpeed's autotuner; choose the batch "
+            "size and ZeRO settings in the config (the flops_profiler and memory_breakdown keys "
+            "help) and launch without --autotuning"
+        )
+    if args.launcher in _MPI_LAUNCHERS:
+        parser.error(
+            f"--launcher {args.launcher}: ds-launch starts MPI jobs with Open MPI's mpirun "
+            "(--launcher openmpi) or with slurm; pass your MPI's extra options through "
+            "--launcher_args"
+        )
 
 
 def _options(args: argparse.Namespace) -> LaunchOptions:
@@ -240,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from deepshard.launcher._rank_errors import TRACEBACK_ENV, traceback_requested
 
     environ = dict(os.environ)
+    if args.save_pid:
+        _save_pid()
     if args.traceback:
         environ[TRACEBACK_ENV] = "1"  # the ranks (and remote nodes) read it
     try:
@@ -258,6 +317,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         sys.stderr.write(f"ds-launch: error: {error}\n")
         return 1
+
+
+def _save_pid() -> None:
+    """DeepSpeed's ``--save_pid``: the launcher's process id in a file named after it."""
+    import atexit
+
+    path = os.path.join("/tmp", f"{os.getpid()}.deepshard")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(f"{os.getpid()}\n")
+
+    def remove() -> None:
+        if os.path.exists(path):
+            os.remove(path)
+
+    atexit.register(remove)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ One ``run_on_mesh`` call on 2 ranks, for ZeRO stages 0, 1 and 2:
 * With 4 accumulation steps and 12 micro-steps, ``engine.step()`` applies an update exactly
   after micro-steps 4, 8 and 12; the parameters change only then; the counters end at
   ``global_steps == 3``, ``micro_steps == 12`` and ``global_samples == 3 × train_batch_size``.
-* A plain ``engine.scale(loss / ga).backward()`` (ZeRO's hooks do the reduction) trains to the
+* A plain ``loss.backward()`` on the engine's output (ZeRO's hooks do the reduction, the
+  engine divides by the accumulation steps at the boundary, as DeepSpeed does) trains to the
   same parameters as ``engine.backward(loss)``.
 * Two backward passes inside ``engine.no_sync()`` followed by a normal one, with one
   accumulation step configured, train like three accumulation steps.
@@ -73,7 +74,7 @@ def _train(mesh: Any, stage: int, *, plain: bool) -> torch.Tensor:
         rows = _rows(micro_step // GA, micro_step % GA, rank, world, GA)
         loss = _models.mlp_loss(engine, rows, torch.float32)
         if plain:
-            engine.scale(loss / engine.gradient_accumulation_steps()).backward()
+            loss.backward()
         else:
             engine.backward(loss)
         engine.step()

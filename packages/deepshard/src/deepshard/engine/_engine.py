@@ -53,6 +53,7 @@ from deepshard.engine._engine_reads import EngineReads
 from deepshard.engine._engine_states import EngineStates
 from deepshard.engine._engine_weights import EngineWeights
 from deepshard.engine._generation import GenerationView, generation_context
+from deepshard.engine._plain_backward import PlainBackward
 from deepshard.engine._precision import Precision
 from deepshard.engine._profiling import StepProfiling
 from deepshard.engine._reporting import ProgressReporter
@@ -173,6 +174,7 @@ class DeepShardEngine(
         self.training_dataloader: Any = None  # `initialize` sets the loader it built
         self._pending_save = None  # a background checkpoint save (checkpoint.async_save)
         self._load_failure: str | None = None  # a load_checkpoint that failed while filling
+        self._plain_backward = PlainBackward(lambda: self.loss_scaler.scale)
         self._tp_inputs = TpInputCheck(parts.dims, parts.device)
         self._save_prepared = False  # its host buffers were readied (after the first step)
         self._declare_boundary()
@@ -222,8 +224,10 @@ class DeepShardEngine(
             args, kwargs = precision.inputs(*self._curriculum_inputs(args, kwargs))
             self._tp_inputs(args, kwargs)  # once: TP peers must get the same batch
             if self._compiled_forward is not None:
-                return self._compiled_forward(*args, **kwargs)
-            return self.module(*args, **kwargs)
+                output = self._compiled_forward(*args, **kwargs)
+            else:
+                output = self.module(*args, **kwargs)
+        return self._plain_backward.watch(output) if self.optimizer is not None else output
 
     def backward(
         self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -247,7 +251,7 @@ class DeepShardEngine(
         self.parts.reporter.add_loss(loss)
         accumulated = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         self.accumulation.backwards += 1
-        with self._timers.time("backward"):
+        with self._timers.time("backward"), self._plain_backward.engine_backward():
             zero.backward(
                 self.scale(accumulated),
                 is_boundary=self.is_gradient_accumulation_boundary(),
@@ -258,12 +262,15 @@ class DeepShardEngine(
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (itself when the scale is 1).
 
-        For a plain ``loss.backward()``: ``engine.scale(loss / accumulation_steps).backward()``.
+        For a plain backward pass under fp16: ``engine.scale(loss).backward()``; the division by
+        ``gradient_accumulation_steps`` happens at the boundary, as for ``loss.backward()``
+        (see `deepshard.engine._plain_backward`).
 
         Raises:
             ConfigError: ``loss`` is not a scalar.
         """
         _check_loss(loss, "scale")
+        self._plain_backward.scaled()
         scale = self.loss_scaler.scale
         return loss if scale == 1.0 else loss.float() * scale
 
@@ -311,9 +318,10 @@ class DeepShardEngine(
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:
+            plain = self._plain_backward.boundary_factor(self.gradient_accumulation_steps())
             with self._timers.time("step"):
                 with self._batch_scaled_lr():  # dynamic batching: this step's sample count
-                    result = zero.step(loss_scale=loss_scale)
+                    result = zero.step(loss_scale=loss_scale * plain)
                 self.loss_scaler.update(result.overflow)
                 self._step_applied = not result.overflow
                 self._grad_norm = result.grad_norm

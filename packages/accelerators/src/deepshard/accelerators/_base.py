@@ -121,3 +121,37 @@ class AcceleratorBase(abc.ABC):
     def torch_info(self) -> dict[str, str | None]:
         """Versions of torch, CUDA, HIP and NCCL; ``None`` for a part this build lacks."""
         return torch_info()
+
+    # --- DeepSpeed's accelerator names, so scripts written for it run unchanged ---------------
+
+    @abc.abstractmethod
+    def current_device(self) -> torch.device:
+        """The device this process computes on."""
+
+    @abc.abstractmethod
+    def device(self, index: int | None = None) -> torch.device:
+        """The device with ``index``, or the current one."""
+
+    def device_name(self, device_index: int | None = None) -> str:
+        """DeepSpeed's device string: the type (``"cuda"``) or, with an index, ``"cuda:1"``.
+
+        Raises:
+            AcceleratorError: ``device_index`` does not name a visible device.
+        """
+        return self.name if device_index is None else str(self.device(device_index))
+
+    def current_device_name(self) -> str:
+        """The current device as a string (``"cuda:0"``, ``"cpu"``), as DeepSpeed names it."""
+        return str(self.current_device())
+
+    def communication_backend_name(self) -> str:
+        """DeepSpeed's name for `communication_backend`."""
+        return self.communication_backend
+
+    def is_available(self) -> bool:
+        """Whether this accelerator's devices can be used in this process."""
+        return True
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on this accelerator's kind of device."""
+        return tensor.device.type == self.name

@@ -89,6 +89,25 @@ class CpuAccelerator(AcceleratorBase):
         """True: torch implements bfloat16 for every CPU operator used in training."""
         return True
 
+    def set_device(self, device_index: int) -> None:
+        """Nothing to select (ranks share the one CPU device); the index is still checked.
+
+        Raises:
+            AcceleratorError: ``device_index`` is negative or not an int.
+        """
+        _check_index(device_index, "device index")
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed torch's CPU generator (DeepSpeed's CPU accelerator does the same)."""
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        """As `manual_seed`: the CPU is one device."""
+        torch.manual_seed(seed)
+
+    def empty_cache(self) -> None:
+        """Nothing to release: the CPU allocator keeps no device cache."""
+
     def is_fp16_supported(self) -> bool:
         """False: float16 mixed precision with loss scaling is a device feature; use bf16 on CPU."""
         return False

@@ -83,6 +83,32 @@ class DeviceAccelerator(AcceleratorBase):
         torch.accelerator.set_device_index(local_rank)
         return torch.device(self.name, local_rank)
 
+    def set_device(self, device_index: int) -> None:
+        """Make device ``device_index`` current (DeepSpeed's ``set_device``).
+
+        Raises:
+            AcceleratorError: ``device_index`` is not one of the visible devices.
+        """
+        self._check_visible(device_index, "device index")
+        torch.accelerator.set_device_index(device_index)
+
+    def is_available(self) -> bool:
+        """Whether at least one device of this kind is visible."""
+        return self.device_count() > 0
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the current device's generator (not the CPU's), as DeepSpeed does."""
+        torch.get_device_module(self.name).manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        """Seed the generators of every visible device of this kind."""
+        module = torch.get_device_module(self.name)
+        getattr(module, "manual_seed_all", module.manual_seed)(seed)
+
+    def empty_cache(self) -> None:
+        """Return the cached, unused device memory to the driver."""
+        self._memory_function("empty_cache")()
+
     def _check_visible(self, index: int, what: str) -> None:
         count = self.device_count()
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:

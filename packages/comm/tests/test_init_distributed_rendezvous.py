@@ -160,3 +160,23 @@ def test_world_of_one_with_a_remote_master_addr_is_a_comm_error() -> None:
     with pytest.raises(CommError, match=r"MASTER_ADDR='192\.0\.2\.1'.*MASTER_PORT"):
         init_distributed(backend="gloo", env={"MASTER_ADDR": "192.0.2.1"})
     assert not dist.is_initialized()
+
+
+def test_dist_backend_is_deepspeeds_name_for_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from deepshard.comm import init_distributed
+    from deepshard.interface.errors import CommError, ConfigError
+
+    asked: list[str] = []
+
+    def record(backend: str, **kwargs: object) -> None:
+        asked.append(backend)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "init_process_group", record)
+    with pytest.raises(CommError):
+        init_distributed(dist_backend="gloo", env={})
+    assert asked == ["gloo"]
+    with pytest.raises(ConfigError, match=r"dist_backend='gloo'.*disagree"):
+        init_distributed(backend="nccl", dist_backend="gloo", env={})

@@ -25,7 +25,7 @@ from deepshard.comm._launch_env import (
     rendezvous_address,
     resolve_timeout,
 )
-from deepshard.interface.errors import CommError
+from deepshard.interface.errors import CommError, ConfigError
 
 __all__ = ["DistInfo", "init_distributed"]
 
@@ -117,6 +117,7 @@ def init_distributed(
     timeout: timedelta | None = None,
     *,
     env: Mapping[str, str] | None = None,
+    dist_backend: str | None = None,
 ) -> DistInfo:
     """Initialise the default process group from the launcher's environment.
 
@@ -133,16 +134,26 @@ def init_distributed(
         timeout: Timeout of the default group (and, through `build_mesh`, of the mesh's
             groups). Defaults to ``DEEPSHARD_TIMEOUT`` minutes, else 10 minutes.
         env: The variables to read; defaults to ``os.environ``.
+        dist_backend: DeepSpeed's keyword for ``backend`` (``deepspeed.init_distributed(
+            dist_backend="nccl")``); giving both with different values is an error.
 
     Returns:
         This process's `DistInfo`.
 
     Raises:
-        ConfigError: A launcher variable or ``DEEPSHARD_TIMEOUT`` is missing or invalid (named).
+        ConfigError: A launcher variable or ``DEEPSHARD_TIMEOUT`` is missing or invalid (named),
+            or ``backend`` and ``dist_backend`` disagree.
         CommError: The rendezvous or the backend failed (e.g. nccl without a GPU), a world of one
             names a ``MASTER_ADDR`` that is not this host, or an existing group contradicts
             the environment.
     """
+    if dist_backend is not None:
+        if backend is not None and backend != dist_backend:
+            raise ConfigError(
+                f"init_distributed: backend={backend!r} and dist_backend={dist_backend!r} (its "
+                "DeepSpeed name) disagree; pass one"
+            )
+        backend = dist_backend
     environ: Mapping[str, str] = os.environ if env is None else env
     launch = read_launch_env(environ)
     group_timeout = resolve_timeout(timeout, environ)

@@ -169,7 +169,10 @@ def select_scheduler(
         assert config.scheduler is not None
         return build_scheduler(config.scheduler, optimizer)
     schedule = lr_scheduler
-    if not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
+    # A class is a factory too (it has a `step` attribute, unbound); an instance is the schedule.
+    if isinstance(lr_scheduler, type) or (
+        not hasattr(lr_scheduler, "step") and callable(lr_scheduler)
+    ):
         schedule = lr_scheduler(optimizer)
     if not callable(getattr(schedule, "step", None)):
         raise ConfigError(

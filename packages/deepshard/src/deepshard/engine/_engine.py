@@ -274,12 +274,16 @@ class DeepShardEngine(
         scale = self.loss_scaler.scale
         return loss if scale == 1.0 else loss.float() * scale
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """End one micro-step; at the accumulation boundary, apply (or skip) the update.
 
         With ``managed_gradient_accumulation: false`` every call is the boundary: it ends the
         cycle of the backward passes since the last one (ZeRO reduces what stages 0-1
         accumulated locally) and applies the update.
+
+        Args:
+            lr_kwargs: Keyword arguments for the scheduler's ``step`` after an applied update
+                (DeepSpeed's ``step(lr_kwargs=...)``, e.g. Megatron's ``{"increment": n}``).
 
         Raises:
             ConfigError: The engine has no optimizer, or gradients overflow at
@@ -299,7 +303,7 @@ class DeepShardEngine(
             self.accumulation.stepping = True
         loss_scale = self.loss_scaler.scale  # the scale this step's gradients carry
         try:
-            boundary = self._step_at_boundary(zero, loss_scale)
+            boundary = self._step_at_boundary(zero, loss_scale, lr_kwargs or {})
         finally:
             self.accumulation.stepping = False
         self._declare_boundary()
@@ -312,7 +316,9 @@ class DeepShardEngine(
                 loss_scale=loss_scale,
             )
 
-    def _step_at_boundary(self, zero: ZeroOptimizer, loss_scale: float) -> bool:
+    def _step_at_boundary(
+        self, zero: ZeroOptimizer, loss_scale: float, lr_kwargs: dict[str, Any]
+    ) -> bool:
         """Apply (or skip) the update if this micro-step ends the cycle; count the micro-step.
         Returns whether it ended the cycle."""
         boundary = self.is_gradient_accumulation_boundary()
@@ -326,7 +332,7 @@ class DeepShardEngine(
                 self._step_applied = not result.overflow
                 self._grad_norm = result.grad_norm
                 if self._step_applied and self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
+                    self.lr_scheduler.step(**lr_kwargs)
             if self._step_applied:
                 self._prepare_background_save()
         self.accumulation.advance(applied=self._step_applied)

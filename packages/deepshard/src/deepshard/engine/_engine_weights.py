@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepshard.engine import _export
+from deepshard.interface.errors import ConfigError
 from deepshard.zero import ShardedModule, Stage3Optimizer
 
 if TYPE_CHECKING:
@@ -34,6 +35,23 @@ class EngineWeights:
         return _export.module_state_dict(
             self.module, exclude_frozen_parameters=exclude_frozen_parameters, sharded=self._sharded
         )
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, Any] | None:
+        """DeepSpeed's name, which OpenRLHF-style and accelerate-style code calls at stage 3:
+        the gathered state dict on rank 0 and None elsewhere (every rank must call it).
+
+        Raises:
+            ConfigError: The engine is not at ZeRO stage 3 (use `module_state_dict`).
+        """
+        if self._sharded is None:
+            raise ConfigError(
+                "_zero3_consolidated_16bit_state_dict needs ZeRO stage 3 (the parameters are "
+                "whole on every rank below it); use engine.module_state_dict()"
+            )
+        state = self.module_state_dict(exclude_frozen_parameters)
+        return state if self.parallel_dims.world.get_rank() == 0 else None
 
     def save_16bit_model(
         self,

@@ -20,8 +20,9 @@ from deepshard.launcher import parse_hostfile, parse_hostfile_text
         ),
         ("node1\tslots = 3", {"node1": 3}),
         ("10.0.0.7 slots=16\n", {"10.0.0.7": 16}),
+        ("worker-0 slots=8 max_slots=8\nworker-1 slots=4\n", {"worker-0": 8, "worker-1": 4}),
     ],
-    ids=["two-hosts", "comments-blank-lines-order", "tab-and-spaces", "ip-address"],
+    ids=["two-hosts", "comments-blank-lines-order", "tab-and-spaces", "ip-address", "max-slots"],
 )
 def test_valid_hostfiles_keep_file_order(text: str, expected: dict[str, int]) -> None:
     parsed = parse_hostfile_text(text, "hf")
@@ -35,13 +36,24 @@ def test_valid_hostfiles_keep_file_order(text: str, expected: dict[str, int]) ->
         ("worker-0 slots=4\nworker-1 slot=4\n", "hf:2", "not a hostfile entry"),
         ("worker-0\n", "hf:1", "not a hostfile entry"),
         ("worker-0 slots=4 extra\n", "hf:1", "not a hostfile entry"),
+        ("worker-0 slots=4 max_slot=4\n", "hf:1", "not a hostfile entry"),
         ("worker-0 slots=-1\n", "hf:1", "not a hostfile entry"),
         ("worker-0 slots=0\n", "hf:1", "at least 1"),
         ("a slots=1\n\nb slots=1\na slots=2\n", "hf:4", "first on line 1"),
         ("user@host slots=1\n", "hf:1", "'@'"),
         ("host:1 slots=1\n", "hf:1", "':'"),
     ],
-    ids=["misspelled", "no-slots", "trailing-junk", "negative", "zero", "duplicate", "at", "colon"],
+    ids=[
+        "misspelled",
+        "no-slots",
+        "trailing-junk",
+        "max-slot-typo",
+        "negative",
+        "zero",
+        "duplicate",
+        "at",
+        "colon",
+    ],
 )
 def test_malformed_lines_name_file_and_line(text: str, where: str, words: str) -> None:
     with pytest.raises(LaunchError) as caught:

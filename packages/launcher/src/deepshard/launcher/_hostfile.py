@@ -1,10 +1,11 @@
 """The hostfile: which hosts a job may use and how many slots (accelerators) each has.
 
 The format is DeepSpeed's (and Open MPI's): one ``HOST slots=N`` per line, ``#`` starts a
-comment (whole line or trailing), blank lines are skipped. Unlike DeepSpeed, anything else on a
-line is an error rather than silently ignored, so a typo such as ``slot=4`` cannot turn into a
-smaller job. Host names may not contain ``@``, ``:`` or ``,``: those separate hosts and slots in
-``--include``/``--exclude``.
+comment (whole line or trailing), blank lines are skipped. Open MPI's ``max_slots=M`` may follow
+(DeepSpeed calls its hostfile Open MPI compatible); it changes nothing here, since every slot
+is a rank. Unlike DeepSpeed, anything else on a line is an error rather than silently ignored,
+so a typo such as ``slot=4`` cannot turn into a smaller job. Host names may not contain ``@``,
+``:`` or ``,``: those separate hosts and slots in ``--include``/``--exclude``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ __all__ = ["DEFAULT_HOSTFILE", "parse_hostfile", "parse_hostfile_text"]
 DEFAULT_HOSTFILE = "/job/hostfile"
 """Where ``ds-launch`` looks for a hostfile when ``--hostfile`` is not given (DeepSpeed's)."""
 
-_LINE = re.compile(r"(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\d+)")
+_LINE = re.compile(r"(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\d+)(\s+max_slots\s*=\s*\d+)?")
 _RESERVED = ("@", ":", ",")
 
 

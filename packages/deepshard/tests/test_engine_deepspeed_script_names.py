@@ -5,6 +5,10 @@
 * ``engine._zero3_consolidated_16bit_state_dict()`` at ZeRO stage 3: the gathered state dict on
   rank 0 (equal to ``module_state_dict()``), None on rank 1; below stage 3 it is refused with
   the method to use.
+* ``engine.optimizer.overflow`` is False after an applied step and True after one skipped for
+  non-finite gradients (stage 0; stage 3 checked after an applied step);
+  ``engine.global_steps = 100`` (Megatron-DeepSpeed's resume) sets the counter, the next
+  boundary makes it 101, and a negative value is refused.
 """
 
 from __future__ import annotations
@@ -64,12 +68,32 @@ def _run(mesh: Any) -> dict[str, Any]:
         _train_micro(engine, micro)
         engine.step(lr_kwargs={"increment": 3})
     out["increments"] = list(schedule.steps)
+    out["overflow"] = [engine.optimizer.overflow]
+    for micro in range(2):
+        x = torch.randn(1, 4, generator=torch.Generator().manual_seed(micro))
+        engine.backward(engine(x).sum() * float("inf"))
+        engine.step()
+    out["overflow"].append(engine.optimizer.overflow)
+    engine.global_steps = 100
+    _train_micro(engine, 0)
+    engine.step()
+    _train_micro(engine, 1)
+    engine.step()
+    out["global_steps"] = engine.global_steps
+    try:
+        engine.global_steps = -1
+    except ds.ConfigError as error:
+        out["negative"] = str(error)
     try:
         engine._zero3_consolidated_16bit_state_dict()
     except ds.ConfigError as error:
         out["below_stage3"] = str(error)
     engine = _engine(mesh, 3).engine
     _train_micro(engine, 0)
+    engine.step()
+    _train_micro(engine, 1)
+    engine.step()
+    out["overflow3"] = engine.optimizer.overflow
     consolidated = engine._zero3_consolidated_16bit_state_dict()
     whole = engine.module_state_dict()
     out["consolidated"] = (
@@ -87,6 +111,9 @@ def test_step_lr_kwargs_and_consolidated_state_dict() -> None:
         assert got["increments"] == [3, 3]  # two boundaries of 2 micro-steps each
         assert "needs ZeRO stage 3" in got["below_stage3"]
         assert "engine.module_state_dict()" in got["below_stage3"]
+        assert got["overflow"] == [False, True] and got["overflow3"] is False
+        assert got["global_steps"] == 101
+        assert "int >= 0" in got["negative"]
     assert rank0["consolidated"] == {key: True for key in rank0["keys"]}
     assert rank0["keys"] == ["bias", "weight"]
     assert rank1["consolidated"] is None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepshard.engine._reporting import TensorBytes, tensor_bytes
+from deepshard.interface.errors import ConfigError
 
 if TYPE_CHECKING:
     from deepshard.engine._engine import EngineParts
@@ -19,6 +20,12 @@ if TYPE_CHECKING:
     from deepshard.zero import ZeroOptimizer
 
 __all__ = ["EngineReads"]
+
+
+def _counter(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"engine.{name} must be set to an int >= 0, got {value!r}")
+    return value
 
 
 class EngineReads:
@@ -32,13 +39,22 @@ class EngineReads:
 
     @property
     def global_steps(self) -> int:
-        """Optimizer steps so far (applied or skipped for overflow)."""
+        """Optimizer steps so far (applied or skipped for overflow). Settable, as in DeepSpeed
+        (Megatron-DeepSpeed sets it to the iteration it resumes from)."""
         return self.parts.accumulation.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.parts.accumulation.global_steps = _counter("global_steps", value)
 
     @property
     def global_samples(self) -> int:
-        """Samples consumed by those steps over all data-parallel ranks."""
+        """Samples consumed by those steps over all data-parallel ranks (settable)."""
         return self.parts.accumulation.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self.parts.accumulation.global_samples = _counter("global_samples", value)
 
     @property
     def micro_steps(self) -> int:

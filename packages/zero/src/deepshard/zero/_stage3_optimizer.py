@@ -305,6 +305,7 @@ class Stage3Optimizer(Stage3PartitionAccess, Stage3States, ZeroOptimizer):
             self.sharded.partitions_updated()
         self.sharded.clear_grads()
         self._ready = False
+        self._last_overflow = overflow
         return StepResult(overflow=overflow, grad_norm=norm)
 
     def _masters_to_partitions(self) -> None:

@@ -339,7 +339,14 @@ class ZeroOptimizer(
         self._passes.consume()
         if not overflow:
             self._refresh_params()
+        self._last_overflow = overflow
         return StepResult(overflow=overflow, grad_norm=norm)
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last `step` was skipped because the gradients were not finite
+        (DeepSpeed's ``optimizer.overflow``, which accelerate-style code reads)."""
+        return bool(self.__dict__.get("_last_overflow", False))
 
     def _apply_gradients(self, loss_scale: float) -> tuple[float | None, bool]:
         """Check, clip and step the masters with this rank's gradients; ``(norm, overflow)``."""

@@ -16,6 +16,8 @@ import torch
 import deepshard.engine as deepspeed
 from deepshard.testing import run_on_mesh
 
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps lighter ones
+
 _STAGE3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
 

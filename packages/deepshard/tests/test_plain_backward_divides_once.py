@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from deepshard.testing import run_on_mesh
+
+pytestmark = pytest.mark.slow  # the main run covers it; the package env keeps lighter ones
 
 GA = 2
 

@@ -265,6 +265,10 @@ def test_param_offload_below_stage3_is_ignored_as_deepspeed_ignores_it(stage: in
         config = DeepShardConfig.from_dict(raw)
     assert config.zero_optimization.offload_param is None
     assert raw["zero_optimization"]["offload_param"] == {"device": "cpu"}  # caller's dict kept
+    with pytest.raises(ConfigError, match=r"offload_param\.pin_memroy"):  # mistakes still named
+        DeepShardConfig.from_dict(
+            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu", "pin_memroy": 1}}}
+        )
     with pytest.raises(ConfigError, match=r"offload_param\.device"):  # still validated first
         DeepShardConfig.from_dict(
             {"zero_optimization": {"stage": 2, "offload_param": {"device": "gpu"}}}

@@ -15,11 +15,12 @@ import sys
 import warnings
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 
 from deepshard.interface.config._base import ConfigModel, raw_problems_error
 from deepshard.interface.config._legacy_offload import translate_legacy_offload
 from deepshard.interface.config.offload import OffloadOptimizerConfig, OffloadParamConfig
+from deepshard.interface.errors import ConfigError
 
 __all__ = ["LeafModuleConfig", "LocoConfig", "ZeroConfig"]
 
@@ -57,6 +58,10 @@ def _without_param_offload_below_stage3(data: dict[str, Any]) -> dict[str, Any]:
         or not isinstance(section, dict)
         or section.get("device") not in ("cpu", "nvme")
     ):
+        return data
+    try:  # a section with mistakes stays, so that they are reported (DeepSpeed checks it too)
+        OffloadParamConfig.model_validate(section)
+    except (ValidationError, ConfigError):
         return data
     warnings.warn(
         f"zero_optimization.offload_param has no effect at stage {stage}: parameters are whole "

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from deepshard.comm import Group, all_to_all_single, all_to_all_single_autograd, resolve_group
 from deepshard.interface.errors import CommError
@@ -91,7 +92,13 @@ class AllToAllTransport:
 
     def __init__(self, group: Group) -> None:
         self._group = group
-        self._ep = resolve_group(group).size()
+        self._pg = resolve_group(group)
+        self._ep = self._pg.size()
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The ``ep`` group as a ProcessGroup."""
+        return self._pg
 
     @property
     def ep_size(self) -> int:

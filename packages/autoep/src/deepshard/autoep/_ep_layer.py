@@ -8,9 +8,12 @@ Forward, for hidden states ``[B, S, H]`` (``T = B·S`` tokens):
 2. *Routing.* `route` computes the top-k experts and weights in fp32 from those logits, with
    the preset's knobs and the block's correction bias (DeepSeek-V3).
 3. *Experts.* Rows are sorted by expert, dispatched to the ranks owning their experts, run
-   through the local `GroupedExperts`, sent back and unsorted (`_dispatch`). Under expert
-   tensor parallelism each ``tp`` rank runs its slice of every local expert on the same rows
-   and the outputs are summed over ``tp`` before they travel back.
+   through the local `GroupedExperts`, sent back and unsorted (`_dispatch`). With the default
+   transport the rows a rank routes to its own experts never enter the exchange: they run
+   while the other rows travel (`_overlap`, forward and backward; ``overlap_exchange = False``
+   gives the plain exchange). Under expert tensor parallelism each ``tp`` rank runs its slice
+   of every local expert on the same rows and the outputs are summed over ``tp`` before they
+   travel back (plain exchange).
 4. *Combine.* Each token's ``K`` expert rows are summed with their weights in fp32.
    With ``score_apply="pre"`` (Llama-4 style) each dispatched row is instead multiplied by its
    routing weight (in fp32, cast back to the row dtype) before the expert GEMMs, and the
@@ -34,11 +37,12 @@ from torch import nn
 from deepshard.autoep._combine import CombineImpl, combine, sort_by_expert
 from deepshard.autoep._dispatch import AllToAllTransport, local_expert_order
 from deepshard.autoep._grouped_experts import GroupedExperts
+from deepshard.autoep._overlap import overlapped_exchange
 from deepshard.autoep._presets import RouterSettings
 from deepshard.autoep._router import Routing, route
 from deepshard.comm import Group, copy_to_group, reduce_from_group
 
-__all__ = ["ExpertParallelBlock"]
+__all__ = ["ExpertParallelBlock", "run_by_source"]
 
 
 class ExpertParallelBlock(nn.Module):
@@ -97,6 +101,8 @@ class ExpertParallelBlock(nn.Module):
         self.combine_impl: CombineImpl = combine_impl
         self.score_apply: Literal["pre", "post"] = score_apply
         self.tp_group = tp_group
+        self.overlap_exchange = True
+        """Overlap the own rows' experts with the exchange (`_overlap`); False: plain."""
 
     @property
     def local_experts(self) -> GroupedExperts:
@@ -140,21 +146,35 @@ class ExpertParallelBlock(nn.Module):
             row_weights = flat.new_zeros(flat.shape).index_copy(0, order.index.reshape(-1), flat)
             rows = (rows.float() * row_weights.unsqueeze(-1)).to(rows.dtype)
             weights = torch.ones_like(weights)
-        received, received_counts, plan = self.transport.dispatch(rows, order.counts)
-        if self.tp_group is not None:  # each tp rank computes its slice of every expert
-            received = copy_to_group(received, group=self.tp_group)
-        experts = self.local_experts
-        if experts.uses_grouped_mm(received):
-            local = local_expert_order(received_counts)
-            out = experts(received.index_select(0, local.order), local.group_sizes)
-            out = out.index_select(0, local.inverse)
+        transport = self.transport
+        if self._overlaps(transport):
+            assert isinstance(transport, AllToAllTransport)
+            table = transport.exchange_counts(order.counts)
+            back = overlapped_exchange(
+                rows, order.counts, table, group=transport.process_group, run=self._run_experts
+            )
         else:
-            # The loop reads each (source, expert) block in place: no regrouping gathers.
-            out = experts.forward_by_source(received, received_counts)
-        if self.tp_group is not None:  # partial sums over the experts' tp slices
-            out = reduce_from_group(out, group=self.tp_group)
-        back = self.transport.combine(out, plan)
+            received, received_counts, plan = transport.dispatch(rows, order.counts)
+            if self.tp_group is not None:  # each tp rank computes its slice of every expert
+                received = copy_to_group(received, group=self.tp_group)
+            out = self._run_experts(received, received_counts)
+            if self.tp_group is not None:  # partial sums over the experts' tp slices
+                out = reduce_from_group(out, group=self.tp_group)
+            back = transport.combine(out, plan)
         return combine(back, weights, order.index, impl=self.combine_impl)
+
+    def _overlaps(self, transport: object) -> bool:
+        """Whether the exchange overlaps the own rows' experts (`overlapped_exchange`)."""
+        return (
+            self.overlap_exchange
+            and isinstance(transport, AllToAllTransport)
+            and transport.ep_size > 1
+            and self.tp_group is None
+            and not torch.compiler.is_compiling()
+        )
+
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return run_by_source(self.local_experts, rows, counts)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [..., H]``, as the replaced block."""
@@ -167,3 +187,25 @@ class ExpertParallelBlock(nn.Module):
                 shared = torch.sigmoid(getattr(self, self._shared_gate_name)(x)) * shared
             out = out + shared
         return out.reshape(shape)
+
+
+def run_by_source(
+    experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """Rows laid out as (source, local expert) blocks through ``experts``, outputs in that order.
+
+    Args:
+        experts: This rank's experts (called as a module, so module hooks run).
+        rows: ``[M, H]``, ``counts[s, e]`` rows from source ``s`` for local expert ``e``,
+            source-major.
+        counts: ``[sources, E_local]`` int64.
+    """
+    if counts.shape[0] == 1:  # one source: already expert-contiguous
+        out: torch.Tensor = experts(rows, counts[0])
+        return out
+    if experts.uses_grouped_mm(rows):
+        local = local_expert_order(counts)
+        out = experts(rows.index_select(0, local.order), local.group_sizes)
+        return out.index_select(0, local.inverse)
+    # The loop reads each (source, expert) block in place: no regrouping gathers.
+    return experts.forward_by_source(rows, counts)

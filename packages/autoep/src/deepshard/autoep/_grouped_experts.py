@@ -100,6 +100,14 @@ def _cpu_grouped_mm_agrees(dtype: torch.dtype) -> bool:
     neighbours' rows must not mix). Outputs and the gradients of the rows and of both weights
     are compared with the loop's after the same ops in ``dtype``.
     """
+    # The probe differentiates; the first call may come from an eval forward (no_grad or
+    # inference_mode), whose verdict would otherwise be cached as a failure for the process.
+    with torch.inference_mode(False), torch.enable_grad():
+        return _probe_grouped_mm(dtype)
+
+
+def _probe_grouped_mm(dtype: torch.dtype) -> bool:
+    """The comparison `_cpu_grouped_mm_agrees` describes, with gradients enabled."""
     generator = torch.Generator().manual_seed(0)
     sizes = torch.tensor([5, 0, 3])
 

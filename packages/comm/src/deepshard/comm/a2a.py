@@ -6,23 +6,34 @@ so its backward is the all-to-all with the split sizes swapped: the rows this ra
 rank `j` (`output_split_sizes[j]`) are the gradient rows it sends back to `j`, and what it sent to
 `j` (`input_split_sizes[j]`) comes back as the gradient of its input.
 
-PyTorch already has exactly this: `torch.distributed._functional_collectives.all_to_all_single
-_autograd` is a functional collective (registered through `torch.library` with an autograd
-formula), so dynamo and AOTAutograd trace it into the graph instead of breaking on it. DeepShard
-uses it as is (checked with gloo on CPU, eager and compiled) and only adds the group and split
-checks of the other collectives. The result may be an `AsyncCollectiveTensor`, which waits on
-first use.
+Two implementations of that one formula:
+
+* *Traced* (under `torch.compile`): PyTorch's
+  `torch.distributed._functional_collectives.all_to_all_single_autograd`, a functional
+  collective registered through `torch.library` with an autograd formula, so dynamo and
+  AOTAutograd trace it into the graph instead of breaking on it.
+* *Eager*: a plain `torch.autograd.Function` around `deepshard.comm.all_to_all_single` (the
+  backend call, waited). The functional collective's eager path wraps its result in an
+  `AsyncCollectiveTensor` through a Python custom op, which costs about 0.4 ms per call on CPU
+  (gloo, measured: 0.85-0.95 ms against 0.45 ms for the backend call alone, 1024 x 128 fp32
+  rows over 2 ranks); expert parallelism issues ten of them per step of a two-layer model.
+
+Both give the same rows and gradients (tested eager and compiled against one single-process
+reference); only the group and split checks of the other collectives are added.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from deepshard.comm._groups import Group, resolve_group
 from deepshard.comm._splits import check_split_sizes, per_rank_splits
+from deepshard.comm.collectives import all_to_all_single
 from deepshard.interface.errors import CommError
 
 __all__ = ["all_to_all_single_autograd"]
@@ -65,4 +76,39 @@ def all_to_all_single_autograd(
             "all_to_all_single_autograd with input_split_sizes needs output_split_sizes (rows "
             "received from each rank) to size its output."
         )
-    return funcol.all_to_all_single_autograd(input, out_splits, in_splits, pg)
+    if torch.compiler.is_compiling():
+        return funcol.all_to_all_single_autograd(input, out_splits, in_splits, pg)
+    out: torch.Tensor = _RowExchange.apply(input, pg, out_splits, in_splits)
+    return out
+
+
+def _exchange(
+    rows: torch.Tensor,
+    pg: dist.ProcessGroup,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+) -> torch.Tensor:
+    handle = all_to_all_single(
+        rows.contiguous(), group=pg, output_split_sizes=out_splits, input_split_sizes=in_splits
+    )
+    return handle.wait()
+
+
+class _RowExchange(torch.autograd.Function):
+    """The eager all-to-all: forward with the given splits, backward with them swapped."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        rows: torch.Tensor,
+        pg: dist.ProcessGroup,
+        out_splits: list[int] | None,
+        in_splits: list[int] | None,
+    ) -> torch.Tensor:
+        ctx.pg, ctx.splits = pg, (out_splits, in_splits)
+        return _exchange(rows, pg, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, ctx.pg, in_splits, out_splits), None, None, None

@@ -1,0 +1,148 @@
+"""Expert parallelism with this rank's own rows computed while the other ranks' rows travel.
+
+A rank's sorted rows split in two: those routed to its *own* experts (one contiguous slice,
+since rank ``me`` owns experts ``[me·E/ep, (me+1)·E/ep)``) and those routed to other ranks'
+experts. Only the second kind needs the network, so the exchange is arranged to hide it:
+
+Forward, per MoE layer:
+
+1. exchange the ``[ep, E/ep]`` count table (small, blocking: it sizes everything after);
+2. *launch* the dispatch all-to-all of the remote rows (nothing sent to oneself);
+3. run the own rows through the local experts while it is in flight;
+4. *land* it (wait), run the received rows through the local experts;
+5. send their outputs back (a blocking autograd all-to-all) and put the own outputs in their
+   slice: ``[N, H]`` rows in the caller's sorted order, as `AllToAllTransport.combine` gives.
+
+Backward mirrors it. The autograd engine runs ready nodes latest-created first, so after the
+combine's backward it runs the received rows' expert backward, then `_Land`'s backward, which
+*launches* the return of the received rows' gradient; the own rows' expert backward was created
+between `_Launch` and `_Land`, so it runs next, while that gradient travels; `_Launch`'s
+backward, created first, runs last and waits for it. So one all-to-all per direction per layer
+overlaps local expert work, on any backend whose collectives run asynchronously (gloo's worker
+threads, NCCL's stream); the results are the same as the plain exchange, row for row.
+
+Every other part of the graph is ordinary autograd (the expert GEMMs, the gathers, the combine
+all-to-all), so ZeRO-3's parameter hooks, activation checkpointing and saved-tensor offload see
+what they see on the plain path. Under ``torch.compile`` the layer keeps the plain exchange.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepshard.comm import CommHandle, all_to_all_single, all_to_all_single_autograd
+
+__all__ = ["ExpertRunner", "overlapped_exchange"]
+
+ExpertRunner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""Runs ``[M, H]`` rows laid out as (source, local expert) blocks with a ``[sources, E/ep]``
+count table through this rank's experts; returns ``[M, H]`` outputs in the same order."""
+
+
+class _InFlight:
+    """The dispatch all-to-all between `_Launch` and `_Land`, forward and backward."""
+
+    def __init__(self, pg: dist.ProcessGroup, send: list[int], recv: list[int]) -> None:
+        self.pg, self.send, self.recv = pg, send, recv
+        self.forward: CommHandle[torch.Tensor] | None = None
+        self.backward: CommHandle[torch.Tensor] | None = None
+
+
+def _start(
+    rows: torch.Tensor, flight: _InFlight, out_splits: list[int], in_splits: list[int]
+) -> tuple[CommHandle[torch.Tensor], torch.Tensor]:
+    """Launch one all-to-all; returns its handle and the buffer it fills."""
+    output = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    handle = all_to_all_single(
+        rows.contiguous(),
+        group=flight.pg,
+        output=output,
+        output_split_sizes=out_splits,
+        input_split_sizes=in_splits,
+        async_op=True,
+    )
+    return handle, output
+
+
+class _Launch(torch.autograd.Function):
+    """Forward: start sending the remote rows (the output fills in later: read it after
+    `_Land`). Backward: wait for the gradient `_Land`'s backward sent back."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        ctx.flight = flight
+        flight.forward, received = _start(rows, flight, flight.recv, flight.send)
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, _unused: torch.Tensor) -> tuple[torch.Tensor, None]:
+        flight: _InFlight = ctx.flight
+        assert flight.backward is not None, "_Land's backward launches the return first"
+        grad = flight.backward.wait()
+        flight.backward = None
+        return grad, None
+
+
+class _Land(torch.autograd.Function):
+    """Forward: wait for the remote rows. Backward: start sending their gradient back."""
+
+    @staticmethod
+    def forward(ctx: Any, received: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        ctx.flight = flight
+        assert flight.forward is not None
+        flight.forward.wait()
+        flight.forward = None
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        flight: _InFlight = ctx.flight
+        flight.backward, _ = _start(grad, flight, flight.send, flight.recv)
+        # `_Launch`'s backward ignores this value and returns what the exchange brings.
+        return grad, None
+
+
+def overlapped_exchange(
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    run: ExpertRunner,
+) -> torch.Tensor:
+    """Dispatch, run the experts and combine, overlapping the own rows with the exchange.
+
+    Args:
+        rows: ``[N, H]`` rows sorted by global expert id.
+        counts: ``[E]`` int64 rows per global expert from this rank (``sum == N``).
+        table: ``[ep, E/ep]`` rows each group rank sends to this rank's experts (the count
+            exchange's result; row ``me`` is this rank's own slice).
+        group: The ``ep`` process group (``ep > 1``).
+        run: Runs rows through this rank's experts (`ExpertRunner`).
+
+    Returns:
+        ``[N, H]`` expert outputs in the order of ``rows``.
+    """
+    ep, me = group.size(), group.rank()
+    per_destination = counts.reshape(ep, -1).sum(dim=1)
+    host = [int(n) for n in torch.cat([per_destination, table.sum(dim=1)]).tolist()]
+    send, recv = host[:ep], host[ep:]
+    lo = sum(send[:me])
+    hi = lo + send[me]
+    send[me] = recv[me] = 0
+    remote = rows[:lo] if hi == rows.shape[0] else torch.cat([rows[:lo], rows[hi:]])
+    flight = _InFlight(group, send, recv)
+    in_flight = _Launch.apply(remote, flight)
+    own = run(rows[lo:hi], table[me : me + 1])
+    received = _Land.apply(in_flight, flight)
+    sources = torch.cat([table[:me], table[me + 1 :]])
+    done = run(received, sources)
+    back = all_to_all_single_autograd(
+        done, group=group, output_split_sizes=send, input_split_sizes=recv
+    )
+    before = lo  # rows sent to lower ranks come back first, in rank order
+    return torch.cat([back[:before], own, back[before:]])

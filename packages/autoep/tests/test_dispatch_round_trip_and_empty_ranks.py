@@ -100,6 +100,28 @@ def test_cpu_grouped_mm_path_equals_the_loop_path_with_gradients(dtype: torch.dt
     assert not results[0][2][[0, 2]].any()  # experts without rows get no gradient
 
 
+def test_a_sum_loss_backpropagates_through_the_grouped_path() -> None:
+    # out.sum() hands back an expanded (zero-stride) gradient, which CPU _grouped_mm's
+    # backward refuses on its own ("Invalid strides/sizes").
+    gen = torch.Generator().manual_seed(2)
+    gate_up, down = torch.randn(3, 32, 16, generator=gen), torch.randn(3, 16, 16, generator=gen)
+    x = torch.randn(7, 16, generator=gen)
+    grads = []
+    for grouped in (True, False):
+        experts = GroupedExperts(
+            torch.nn.Parameter(gate_up.clone()),
+            torch.nn.Parameter(down.clone()),
+            F.silu,
+            use_grouped_mm=grouped,
+        )
+        rows = x.clone().requires_grad_(True)
+        assert experts.uses_grouped_mm(rows) is grouped
+        experts(rows, torch.tensor([4, 0, 3])).sum().backward()
+        grads.append((rows.grad, experts.gate_up_proj.grad, experts.down_proj.grad))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_cpu_grouped_mm_with_a_wrong_backward_is_not_used(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -65,7 +65,24 @@ def _grouped(
     offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
     hidden = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets)
     gate, up = hidden.chunk(2, dim=-1)
-    return torch._grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)
+    out = torch._grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)
+    return _DenseGrad.apply(out)  # type: ignore[no-any-return]
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient.
+
+    ``torch._grouped_mm``'s CPU backward refuses a gradient with zero strides ("Invalid
+    strides/sizes"), which is what ``out.sum().backward()`` produces (an expanded scalar).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def _looped(

@@ -7,19 +7,21 @@ experts. Only the second kind needs the network, so the exchange is arranged to 
 Forward, per MoE layer:
 
 1. exchange the ``[ep, E/ep]`` count table (small, blocking: it sizes everything after);
-2. *launch* the dispatch all-to-all of the remote rows (nothing sent to oneself);
-3. run the own rows through the local experts while it is in flight;
+2. *launch* the dispatch all-to-all of the remote rows (nothing is sent to oneself);
+3. run the first half of the own rows through the local experts while it is in flight;
 4. *land* it (wait), run the received rows through the local experts;
-5. send their outputs back (a blocking autograd all-to-all) and put the own outputs in their
-   slice: ``[N, H]`` rows in the caller's sorted order, as `AllToAllTransport.combine` gives.
+5. *launch* their outputs back to their sources, run the second half of the own rows;
+6. *land* the results: ``[N, H]`` rows in the caller's sorted order, the own outputs in their
+   slice, as `AllToAllTransport.combine` gives.
 
-Backward mirrors it. The autograd engine runs ready nodes latest-created first, so after the
-combine's backward it runs the received rows' expert backward, then `_Land`'s backward, which
-*launches* the return of the received rows' gradient; the own rows' expert backward was created
-between `_Launch` and `_Land`, so it runs next, while that gradient travels; `_Launch`'s
-backward, created first, runs last and waits for it. So one all-to-all per direction per layer
-overlaps local expert work, on any backend whose collectives run asynchronously (gloo's worker
-threads, NCCL's stream); the results are the same as the plain exchange, row for row.
+Backward mirrors it. The autograd engine runs the ready node created last first, so each
+`_Land` backward (which *launches* the gradient's exchange) is followed by the own half created
+between the two, and only then by the matching `_Launch` backward (created before that half),
+which waits: the results' gradient travels while the second half's backward runs, the received
+rows' gradient while the first half's does. So both all-to-alls of a layer overlap own expert
+work, in both directions, on any backend whose collectives run asynchronously (gloo's worker
+threads, NCCL's stream); the values are the plain exchange's (the same rows meet the same
+weights; only the grouping of the GEMMs differs).
 
 Every other part of the graph is ordinary autograd (the expert GEMMs, the gathers, the combine
 all-to-all), so ZeRO-3's parameter hooks, activation checkpointing and saved-tensor offload see
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepshard.comm import CommHandle, all_to_all_single, all_to_all_single_autograd
+from deepshard.comm import CommHandle, all_to_all_single
 
 __all__ = ["ExpertRunner", "overlapped_exchange"]
 
@@ -44,7 +46,8 @@ count table through this rank's experts; returns ``[M, H]`` outputs in the same 
 
 
 class _InFlight:
-    """The dispatch all-to-all between `_Launch` and `_Land`, forward and backward."""
+    """One all-to-all between its `_Launch` and its `_Land`, forward and backward: rows go
+    out with ``send`` splits and come in with ``recv`` ones (their gradient the other way)."""
 
     def __init__(self, pg: dist.ProcessGroup, send: list[int], recv: list[int]) -> None:
         self.pg, self.send, self.recv = pg, send, recv
@@ -135,14 +138,20 @@ def overlapped_exchange(
     hi = lo + send[me]
     send[me] = recv[me] = 0
     remote = rows[:lo] if hi == rows.shape[0] else torch.cat([rows[:lo], rows[hi:]])
-    flight = _InFlight(group, send, recv)
-    in_flight = _Launch.apply(remote, flight)
-    own = run(rows[lo:hi], table[me : me + 1])
-    received = _Land.apply(in_flight, flight)
+    # The own rows in two halves (split inside an expert if need be): the first runs while
+    # the dispatch travels, the second while the results travel back.
+    own = table[me]
+    first = own.cumsum(dim=0).clamp(max=(hi - lo) // 2).diff(prepend=own.new_zeros(1))
+    middle = lo + (hi - lo) // 2
+    dispatch = _InFlight(group, send, recv)
+    in_flight = _Launch.apply(remote, dispatch)
+    own_first = run(rows[lo:middle], first.unsqueeze(0))
+    received = _Land.apply(in_flight, dispatch)
     sources = torch.cat([table[:me], table[me + 1 :]])
     done = run(received, sources)
-    back = all_to_all_single_autograd(
-        done, group=group, output_split_sizes=send, input_split_sizes=recv
-    )
+    results = _InFlight(group, recv, send)
+    coming_back = _Launch.apply(done, results)
+    own_second = run(rows[middle:hi], (own - first).unsqueeze(0))
+    back = _Land.apply(coming_back, results)
     before = lo  # rows sent to lower ranks come back first, in rank order
-    return torch.cat([back[:before], own, back[before:]])
+    return torch.cat([back[:before], own_first, own_second, back[before:]])

@@ -1,6 +1,6 @@
 """AutoEP: tokens/s of forward + backward of a tiny Mixtral, DeepShard EP=2 vs HF under DDP.
 
-    uv run --all-packages --group bench python tools/bench/autoep.py [--quick] [--steps 12]
+    uv run --all-packages --group bench python tools/bench/autoep.py [--quick] [--steps 30]
         [--warmup 2] [--hidden 128] [--experts 8] [--top-k 2] [--no-deepspeed] [--json OUT]
 
 Two CPU ranks over gloo train the same tiny ``MixtralForCausalLM`` (2 layers, hidden 128,
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line; ``--quick`` is the smoke size."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 timed steps")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per row")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row first")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")

@@ -117,9 +117,20 @@ def _cpu_grouped_mm_agrees(dtype: torch.dtype) -> bool:
     neighbours' rows must not mix). Outputs and the gradients of the rows and of both weights
     are compared with the loop's after the same ops in ``dtype``.
     """
+
     # The probe differentiates; the first call may come from an eval forward (no_grad or
     # inference_mode), whose verdict would otherwise be cached as a failure for the process.
-    with torch.inference_mode(False), torch.enable_grad():
+    # It may also come from inside an activation-checkpointed forward: identity saved-tensor
+    # hooks keep its tensors out of the checkpoint's, which would otherwise count them in the
+    # forward but not in the recomputation (cached by then) and refuse the backward.
+    def same(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(same, same),
+    ):
         return _probe_grouped_mm(dtype)
 
 

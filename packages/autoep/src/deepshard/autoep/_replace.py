@@ -57,7 +57,7 @@ from deepshard.autoep._grouped_experts import GroupedExperts, aligned_expert_wei
 from deepshard.autoep._presets import PRESETS, MoePreset, find_preset, router_settings
 from deepshard.autoep._remap import remap_optimizer
 from deepshard.autoep._report import ParamSwap, ReplacedBlock, ReplacementReport
-from deepshard.comm import ParallelDims
+from deepshard.comm import ParallelDims, mark_collective_forward
 from deepshard.interface import (
     PartitionedParams,
     Topology,
@@ -383,6 +383,8 @@ def parallelize_experts(
     expert_tp = section.expert_tensor_parallel_size > 1
     registry, maps = expert_placements(model, dims, swaps, partitioned, expert_tp)
     report = ReplacementReport(tuple(blocks), registry, maps, tuple(swaps))
+    if dims.topology.ep > 1:  # every forward is now all-to-alls: generate in lockstep
+        mark_collective_forward(model)
     if optimizer is not None:
         remap_optimizer(optimizer, report)
     return report

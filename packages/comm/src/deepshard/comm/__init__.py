@@ -21,6 +21,7 @@ from deepshard.comm.collectives import (
     broadcast,
     reduce_scatter_tensor,
 )
+from deepshard.comm.lockstep import mark_collective_forward
 from deepshard.comm.logger import CommRecord, CommsLogger, CommTiming
 from deepshard.comm.mesh import build_mesh
 from deepshard.comm.parallel_dims import ParallelDims
@@ -46,6 +47,7 @@ __all__ = [
     "build_mesh",
     "copy_to_group",
     "init_distributed",
+    "mark_collective_forward",
     "reduce_from_group",
     "reduce_scatter_tensor",
     "resolve_group",

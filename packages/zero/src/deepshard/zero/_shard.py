@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from deepshard.comm import CommsLogger, Group, ParallelDims, resolve_group
+from deepshard.comm import CommsLogger, Group, ParallelDims, mark_collective_forward, resolve_group
 from deepshard.interface import PlacementRegistry
 from deepshard.interface.errors import ConfigError
 from deepshard.zero._lookup import owner_of
@@ -169,6 +169,8 @@ def build_sharded(
         state = UnitState(plan, unit_groups[plan.index], comms_logger, home)
         state.release()
         states.append(state)
+    if pg.size() > 1:  # every forward now gathers over pg: generate in lockstep
+        mark_collective_forward(module)
     return ShardedModule(module, plans, states, infos, pg, policy, comms_logger, tp_group=tp_group)
 
 

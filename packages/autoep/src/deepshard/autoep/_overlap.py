@@ -137,7 +137,10 @@ def overlapped_exchange(
     lo = sum(send[:me])
     hi = lo + send[me]
     send[me] = recv[me] = 0
-    remote = rows[:lo] if hi == rows.shape[0] else torch.cat([rows[:lo], rows[hi:]])
+    if hi == rows.shape[0] or lo == 0:  # the remote rows are one slice: no copy
+        remote = rows[:lo] if hi == rows.shape[0] else rows[hi:]
+    else:
+        remote = torch.cat([rows[:lo], rows[hi:]])
     # The own rows in two halves (split inside an expert if need be): the first runs while
     # the dispatch travels, the second while the results travel back.
     own = table[me]

@@ -141,6 +141,7 @@ def run_rank(job: dict[str, Any]) -> None:
     loop_model.set_experts_implementation("eager")  # transformers' per-expert loop
     ddp_loop = torch.nn.parallel.DistributedDataParallel(loop_model)
     alone = copy.deepcopy(base)
+    pristine = copy.deepcopy(base)  # DeepSpeed replaces the HF blocks itself
     ep_model = base
     report = parallelize_experts(ep_model, dims)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -151,7 +152,7 @@ def run_rank(job: dict[str, Any]) -> None:
     rows: tuple[str, ...] = (*ROWS, REFERENCE_ROW)
     engine: Any = "left out (--no-deepspeed)"
     if spec.get("deepspeed", True):
-        engine = _deepspeed_autoep(base, spec, world)
+        engine = _deepspeed_autoep(pristine, spec, world)
     skipped = engine if isinstance(engine, str) else None
     if skipped is None:
         models[DEEPSPEED_ROW] = (engine, lambda: None)

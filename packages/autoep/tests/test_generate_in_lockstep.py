@@ -7,7 +7,8 @@ next exchange. `parallelize_experts` marks the model so that transformers' `gene
 gloo ranks each rank greedily decodes its own prompt from a tiny Mixtral; rank 0's EOS is the
 token its unreplaced model produces second, so it finishes after 2 tokens while rank 1 runs
 all 6. Each rank's output must equal the unreplaced single-process model's `generate` with the
-same EOS. A model replaced over one rank exchanges nothing and stays unmarked.
+same EOS, and so must a deep copy's (an RLHF reference model is one). A model replaced over one
+rank exchanges nothing and stays unmarked.
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ def _decode(mesh: Any) -> dict[str, Any]:
     expected = _greedy(reference, prompt, eos=eos)
     parallelize_experts(model, dims)
     marked = getattr(model, COLLECTIVE_FORWARD_ATTRIBUTE, False)
+    twin = copy.deepcopy(model)  # e.g. an RLHF reference model copied from the policy
     with torch.no_grad():
         got = _greedy(model, prompt, eos=eos)
-    return {"got": got, "expected": expected, "marked": marked, "free": free}
+        got_twin = _greedy(twin, prompt, eos=eos)
+    return {"got": got, "twin": got_twin, "expected": expected, "marked": marked}
 
 
 @pytest.mark.slow
@@ -67,6 +70,7 @@ def test_ranks_finishing_apart_both_complete(tmp_path: Path) -> None:
     assert len(results[1]["expected"]) == NEW_TOKENS
     for rank, result in enumerate(results):
         assert result["got"] == result["expected"], rank
+        assert result["twin"] == result["expected"], rank
 
 
 def _one_rank(mesh: Any) -> bool:

@@ -92,13 +92,13 @@ class AllToAllTransport:
 
     def __init__(self, group: Group) -> None:
         self._group = group
-        self._pg = resolve_group(group)
-        self._ep = self._pg.size()
+        self._ep = resolve_group(group).size()
 
     @property
     def process_group(self) -> dist.ProcessGroup:
-        """The ``ep`` group as a ProcessGroup."""
-        return self._pg
+        """The ``ep`` group as a ProcessGroup (resolved per call: a ProcessGroup cannot be
+        deep-copied, and models with this transport are, e.g. into RLHF reference models)."""
+        return resolve_group(self._group)
 
     @property
     def ep_size(self) -> int:

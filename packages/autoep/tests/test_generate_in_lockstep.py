@@ -24,7 +24,7 @@ from deepshard.autoep import parallelize_experts
 from deepshard.comm import ParallelDims
 from deepshard.comm.lockstep import COLLECTIVE_FORWARD_ATTRIBUTE
 from deepshard.interface import Topology
-from deepshard.testing import import_beside, run_on_mesh
+from deepshard.testing import greedy_new_tokens, import_beside, run_on_mesh
 
 _tiny_moe = import_beside(__file__, "_tiny_moe.py")
 
@@ -32,15 +32,7 @@ NEW_TOKENS = 6
 
 
 def _greedy(model: Any, prompt: torch.Tensor, eos: int | None) -> list[int]:
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=0,
-    )
-    return [int(t) for t in out[0, prompt.shape[1] :]]
+    return greedy_new_tokens(model, prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
 
 
 def _decode(mesh: Any) -> dict[str, Any]:
@@ -55,9 +47,8 @@ def _decode(mesh: Any) -> dict[str, Any]:
     parallelize_experts(model, dims)
     marked = getattr(model, COLLECTIVE_FORWARD_ATTRIBUTE, False)
     twin = copy.deepcopy(model)  # e.g. an RLHF reference model copied from the policy
-    with torch.no_grad():
-        got = _greedy(model, prompt, eos=eos)
-        got_twin = _greedy(twin, prompt, eos=eos)
+    got = _greedy(model, prompt, eos=eos)
+    got_twin = _greedy(twin, prompt, eos=eos)
     return {"got": got, "twin": got_twin, "expected": expected, "marked": marked}
 
 

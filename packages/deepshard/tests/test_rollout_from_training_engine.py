@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from deepshard.interface import Topology
-from deepshard.testing import run_on_mesh
+from deepshard.testing import greedy_new_tokens, run_on_mesh
 
 # multi-rank and over ~3 s: the main run covers it, the package tox env deselects it
 pytestmark = pytest.mark.slow
@@ -122,21 +122,10 @@ def _train_both(mesh: Any) -> dict[str, Any]:
 
 
 def _reference() -> list[list[int]]:
-    model = _model().eval()
-    model.generation_config.eos_token_id = None  # the rollout's tokenizer names no EOS
-    want = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        want.append(out[0, len(prompt) :].tolist())
-    return want
+    model = _model()  # the rollout's tokenizer names no EOS
+    return [
+        greedy_new_tokens(model, torch.tensor([prompt]), max_new_tokens=NEW) for prompt in PROMPTS
+    ]
 
 
 @pytest.fixture(scope="module")

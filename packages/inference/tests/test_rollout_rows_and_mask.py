@@ -25,6 +25,7 @@ from deepshard.inference import (
     build_rollout,
 )
 from deepshard.interface.errors import ConfigError
+from deepshard.testing import greedy_new_tokens
 
 PROMPTS = ((5, 9, 2), (7, 1, 3, 3, 8), (11, 4))
 NEW = 6
@@ -47,22 +48,13 @@ def _model() -> torch.nn.Module:
 
 
 def _hf_greedy(model: torch.nn.Module, prompt: tuple[int, ...], eos: int | None) -> list[int]:
-    ids = torch.tensor([prompt])
-    model.eval()  # no dropout (the rollout switches to eval itself)
-    model.generation_config.eos_token_id = None  # only the EOS given here
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=eos if eos is not None else 0,
-        )
-    tokens = out[0, len(prompt) :].tolist()
-    if eos is not None and eos in tokens:
-        tokens = tokens[: tokens.index(eos) + 1]
-    return tokens
+    return greedy_new_tokens(
+        model,
+        torch.tensor([prompt]),
+        max_new_tokens=NEW,
+        eos_token_id=eos,
+        pad_token_id=eos if eos is not None else 0,
+    )
 
 
 def _requests() -> list[RolloutRequest]:

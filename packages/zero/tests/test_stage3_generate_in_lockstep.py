@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deepshard.comm.lockstep import COLLECTIVE_FORWARD_ATTRIBUTE
-from deepshard.testing import import_beside, run_on_mesh
+from deepshard.testing import greedy_new_tokens, import_beside, run_on_mesh
 
 _qwen = import_beside(__file__, "test_stage3_world4_and_qwen3.py")
 
@@ -27,16 +27,7 @@ NEW_TOKENS = 6
 
 
 def _greedy(model: Any, prompt: torch.Tensor, eos: int | None) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, prompt.shape[1] :]]
+    return greedy_new_tokens(model, prompt, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
 
 
 def _decode(mesh: Any) -> dict[str, Any]:

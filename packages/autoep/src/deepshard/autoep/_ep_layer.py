@@ -146,14 +146,14 @@ class ExpertParallelBlock(nn.Module):
             row_weights = flat.new_zeros(flat.shape).index_copy(0, order.index.reshape(-1), flat)
             rows = (rows.float() * row_weights.unsqueeze(-1)).to(rows.dtype)
             weights = torch.ones_like(weights)
-        transport = self.transport
-        if self._overlaps(transport):
-            assert isinstance(transport, AllToAllTransport)
-            table = transport.exchange_counts(order.counts)
+        overlapping = self._overlapping_transport()
+        if overlapping is not None:
+            table = overlapping.exchange_counts(order.counts)
             back = overlapped_exchange(
-                rows, order.counts, table, group=transport.process_group, run=self._run_experts
+                rows, order.counts, table, group=overlapping.process_group, run=self._run_experts
             )
         else:
+            transport = self.transport
             received, received_counts, plan = transport.dispatch(rows, order.counts)
             if self.tp_group is not None:  # each tp rank computes its slice of every expert
                 received = copy_to_group(received, group=self.tp_group)
@@ -163,15 +163,19 @@ class ExpertParallelBlock(nn.Module):
             back = transport.combine(out, plan)
         return combine(back, weights, order.index, impl=self.combine_impl)
 
-    def _overlaps(self, transport: object) -> bool:
-        """Whether the exchange overlaps the own rows' experts (`overlapped_exchange`)."""
-        return (
+    def _overlapping_transport(self) -> AllToAllTransport | None:
+        """The transport when the exchange overlaps the own rows' experts
+        (`overlapped_exchange`), else None (the plain exchange)."""
+        transport = self.transport
+        if (
             self.overlap_exchange
             and isinstance(transport, AllToAllTransport)
             and transport.ep_size > 1
             and self.tp_group is None
             and not torch.compiler.is_compiling()
-        )
+        ):
+            return transport
+        return None
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return run_by_source(self.local_experts, rows, counts)
